@@ -1,0 +1,515 @@
+"""The IdRegistry client: ``register`` (who owns each id) and ``lookup`` (the dispatcher's pre-filter).
+
+One serializable transaction per shard per batch, shards in parallel. Inside it: lock the shard's GC threshold row
+(FOR SHARE), binary-COPY the batch's eligible keys into a temp table, ``INSERT ... SELECT ... ON CONFLICT DO
+NOTHING``. If every eligible key was inserted (the common case) that is the whole answer; otherwise one more
+statement reads the rows that were there before, with their tokens. Correctness rests on the unique key: a key
+already present with another token is lost; with our own token it is ours again (a retry after an unknown commit).
+Whole transactions are retried on 40001/40P01 and lost connections, with capped, jittered exponential backoff.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from psycopg2.extensions import ISOLATION_LEVEL_SERIALIZABLE
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from photon import registry_sql as q
+from photon.ids import EventKeys, InvalidEventIdError
+from photon.owners import Token
+from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error, is_transient
+from photon.settings import Settings, load_settings
+from photon.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
+
+log = logging.getLogger(__name__)
+
+MAIN = "main"
+
+
+class Outcome(IntEnum):
+    WON = 0  # newly registered with our token
+    WON_AGAIN = 1  # already registered with our token: a retry of ours
+    LOST = 2  # registered by another token (or committed and its token cleared)
+    TOO_OLD = 3  # older than the shard's GC threshold: refused
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+class RegistryInvariantError(RegistryError):
+    """The database answered something that cannot happen; the transaction was rolled back."""
+
+
+class PartialRegistrationError(RegistryError):
+    """Some shards committed, others failed. The committed shards hold this batch's token: retrying the batch with
+    the same token completes it (their ids come back ``WON_AGAIN``); otherwise the verifier recovers them."""
+
+    def __init__(self, committed: list[ShardRef], failed: dict[ShardRef, BaseException]):
+        self.committed = committed
+        self.failed = failed
+        first = next(iter(failed.values()))
+        super().__init__(
+            f"registration failed on {len(failed)} shard(s) ({', '.join(map(str, failed))}) after "
+            f"{len(committed)} committed: {first}"
+        )
+
+
+@dataclass(frozen=True)
+class RegistryOptions:
+    max_attempts: int = 12  # whole-transaction attempts per shard and batch
+    backoff_base_s: float = 0.02
+    backoff_max_s: float = 2.0
+    connect_attempts: int = 3
+    max_parallel: int = 8  # shards registered at once
+    max_future_s: float = 86_400.0
+    application_name: str = "photon-registry"
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    shard: ShardRef
+    server: str
+    rows: int  # distinct ids sent to this shard
+    inserted: int  # rows this transaction inserted
+    attempts: int  # transactions tried (1 = no retry)
+    seconds: float
+    partitions_created: int = 0
+
+
+@dataclass
+class RegisterResult:
+    keys: EventKeys
+    outcomes: np.ndarray  # int8 Outcome per input id, in input order
+    shards: list[ShardStats] = field(default_factory=list)
+
+    def mask(self, *outcomes: Outcome) -> np.ndarray:
+        return np.isin(self.outcomes, np.array([int(o) for o in outcomes], dtype=np.int8))
+
+    @property
+    def ours(self) -> np.ndarray:
+        """Ids this token owns (newly or again): the rows to write to output."""
+        return self.mask(Outcome.WON, Outcome.WON_AGAIN)
+
+    def counts(self) -> dict[str, int]:
+        binc = np.bincount(self.outcomes.astype(np.int64), minlength=len(Outcome))
+        return {o.name.lower(): int(binc[o]) for o in Outcome}
+
+    def ids(self, *outcomes: Outcome) -> list[str]:
+        return self.keys.take(np.flatnonzero(self.mask(*outcomes))).to_ids()
+
+    @property
+    def retries(self) -> int:
+        return sum(s.attempts - 1 for s in self.shards)
+
+    @property
+    def rows_per_transaction(self) -> float:
+        return sum(s.rows for s in self.shards) / max(1, sum(s.attempts for s in self.shards))
+
+
+@dataclass
+class LookupResult:
+    keys: EventKeys
+    registered: np.ndarray  # bool per input id
+    tokens: np.ndarray  # int64 token value, 0 where unregistered or where the token was cleared
+    too_old: np.ndarray  # bool: below the shard's GC threshold (the registry would refuse it)
+
+
+def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
+    """Server name -> DSN: ``main`` from PHOTON_REGISTRY_DSN (or the embedded server), others from
+    PHOTON_REGISTRY_SERVERS."""
+    from photon.pg import embedded_dsn
+
+    settings = settings or load_settings()
+    servers = {MAIN: settings.registry_dsn or embedded_dsn(settings.home)}
+    for name, dsn in settings.registry_servers.items():
+        if name == MAIN:
+            raise ValueError("PHOTON_REGISTRY_SERVERS cannot redefine 'main'; set PHOTON_REGISTRY_DSN")
+        servers[name] = dsn
+    return servers
+
+
+def _check_server_names(servers: Mapping[str, str]) -> None:
+    if MAIN not in servers:
+        raise ValueError("the registry needs a server named 'main'")
+    for name in servers:
+        if not SERVER_NAME_RE.match(name):
+            raise ValueError(f"invalid registry server name {name!r} (lowercase letters, digits, underscore)")
+
+
+def encode_copy(i: np.ndarray, ts_us: np.ndarray, src: np.ndarray) -> bytes:
+    """PostgreSQL binary COPY of (int4 i, int8 ts_us, int8 src): built as one numpy record array."""
+    rec = np.empty(len(i), dtype=np.dtype([
+        ("n", ">i2"), ("l1", ">i4"), ("i", ">i4"), ("l2", ">i4"), ("ts", ">i8"), ("l3", ">i4"), ("src", ">i8"),
+    ]))
+    rec["n"], rec["l1"], rec["l2"], rec["l3"] = 3, 4, 8, 8
+    rec["i"], rec["ts"], rec["src"] = i, ts_us, src
+    return b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8 + rec.tobytes() + b"\xff\xff"
+
+
+def dedup(keys: EventKeys) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of the distinct keys in key order, index of each input's distinct key)."""
+    order = np.lexsort((keys.src, keys.ts_us))
+    ts, src = keys.ts_us[order], keys.src[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (ts[1:] != ts[:-1]) | (src[1:] != src[:-1])
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return order[first], inverse
+
+
+class IdRegistry:
+    """Client of a sharded IdRegistry. Not thread-safe: use one per thread or process (it parallelises shards
+    itself). Connections are kept per shard and reused across batches."""
+
+    def __init__(self, servers: Mapping[str, str], options: RegistryOptions | None = None):
+        _check_server_names(servers)
+        self.servers = dict(servers)
+        self.options = options or RegistryOptions()
+        self._layout: ShardLayout | None = None
+        self._width: int | None = None
+        self._conns: dict[ShardRef, Any] = {}
+        self._partitions: dict[ShardRef, set[int]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=self.options.max_parallel, thread_name_prefix="photon-reg")
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None, **options: Any) -> IdRegistry:
+        settings = settings or load_settings()
+        options.setdefault("max_future_s", settings.max_future_s)
+        return cls(servers_from_settings(settings), RegistryOptions(**options))
+
+    @property
+    def main_dsn(self) -> str:
+        return self.servers[MAIN]
+
+    def __enter__(self) -> IdRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    # -- configuration ---------------------------------------------------------------------------------------
+    def layout(self, refresh: bool = False) -> ShardLayout:
+        if self._layout is None or refresh:
+            self._layout, self._width = read_layout(self.main_dsn)
+            unknown = {s for s in self._layout.placement.values() if s not in self.servers}
+            if unknown:
+                raise RegistryError(
+                    f"the shard map places shards on {sorted(unknown)}, which this process has no DSN for: "
+                    "set PHOTON_REGISTRY_SERVERS"
+                )
+        return self._layout
+
+    @property
+    def partition_width_us(self) -> int:
+        self.layout()
+        assert self._width is not None
+        return self._width
+
+    # -- register --------------------------------------------------------------------------------------------
+    def register(
+        self,
+        ids: EventKeys | Iterable[object] | pa.Array,
+        token: Token,
+        *,
+        times: Sequence[int] | np.ndarray | None = None,
+    ) -> RegisterResult:
+        """Register ids under ``token``; one :class:`Outcome` per input id. Invalid input raises before anything
+        is written."""
+        keys = ids if isinstance(ids, EventKeys) else EventKeys.from_ids(ids)
+        self._validate(keys, times)
+        if len(keys) == 0:
+            return RegisterResult(keys, np.empty(0, dtype=np.int8))
+        uniq, inverse = dedup(keys)
+        ukeys = keys.take(uniq)
+        groups = self._groups(ukeys)
+        self._connect_all([ref for ref, _ in groups])
+        outcomes = np.empty(len(ukeys), dtype=np.int8)
+        stats, failed = self._run_groups(
+            groups, lambda ref, pos: self._register_shard(ref, ukeys.take(pos), token), outcomes
+        )
+        if failed:
+            raise PartialRegistrationError([s.shard for s in stats], failed)
+        return RegisterResult(keys, outcomes[inverse], stats)
+
+    def lookup(self, ids: EventKeys | Iterable[object] | pa.Array) -> LookupResult:
+        """Batched read of which ids are registered (and by which token). A hint for the dispatcher only:
+        ``register`` alone decides."""
+        keys = ids if isinstance(ids, EventKeys) else EventKeys.from_ids(ids)
+        n = len(keys)
+        registered = np.zeros(n, dtype=bool)
+        tokens = np.zeros(n, dtype=np.int64)
+        too_old = np.zeros(n, dtype=bool)
+        if n == 0:
+            return LookupResult(keys, registered, tokens, too_old)
+        uniq, inverse = dedup(keys)
+        ukeys = keys.take(uniq)
+        groups = self._groups(ukeys)
+        self._connect_all([ref for ref, _ in groups])
+        packed = np.zeros(len(ukeys), dtype=np.int8)
+        u_tokens = np.zeros(len(ukeys), dtype=np.int64)
+
+        def one(ref: ShardRef, pos: np.ndarray) -> tuple[np.ndarray, ShardStats]:
+            flags, toks, st = self._lookup_shard(ref, ukeys.take(pos))
+            u_tokens[pos] = toks
+            return flags, st
+
+        _, failed = self._run_groups(groups, one, packed)
+        if failed:
+            raise next(iter(failed.values()))
+        registered[:] = (packed & 1).astype(bool)[inverse]
+        too_old[:] = (packed & 2).astype(bool)[inverse]
+        tokens[:] = u_tokens[inverse]
+        return LookupResult(keys, registered, tokens, too_old)
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _validate(self, keys: EventKeys, times: Sequence[int] | np.ndarray | None) -> None:
+        if times is not None:
+            t = np.asarray(times, dtype=np.int64)
+            if t.shape != keys.ts_us.shape:
+                raise ValueError(f"{len(t)} times for {len(keys)} ids")
+            bad = np.flatnonzero(t != keys.ts_us)
+            if len(bad):
+                shown = keys.take(bad[:5]).to_ids()
+                raise InvalidEventIdError(
+                    [(int(p), i, f"event time {int(t[p])} differs from the id's own timestamp")
+                     for p, i in zip(bad[:5].tolist(), shown, strict=True)],
+                    len(bad),
+                )
+        limit = int((time.time() + self.options.max_future_s) * 1e6)
+        future = np.flatnonzero(keys.ts_us > limit)
+        if len(future):
+            shown = keys.take(future[:5]).to_ids()
+            raise InvalidEventIdError(
+                [(int(p), i, f"timestamp more than {self.options.max_future_s:g}s in the future")
+                 for p, i in zip(future[:5].tolist(), shown, strict=True)],
+                len(future),
+            )
+
+    def _groups(self, ukeys: EventKeys) -> list[tuple[ShardRef, np.ndarray]]:
+        versions, shards = self.layout().assign(ukeys)
+        code = versions * 65_536 + shards
+        order = np.argsort(code, kind="stable")  # stable: each group stays in key order (a consistent lock order)
+        sorted_code = code[order]
+        cuts = np.flatnonzero(np.diff(sorted_code)) + 1
+        groups = []
+        for pos in np.split(order, cuts):
+            c = int(code[pos[0]])
+            groups.append((ShardRef(c // 65_536, c % 65_536), pos))
+        return groups
+
+    def _run_groups(
+        self,
+        groups: list[tuple[ShardRef, np.ndarray]],
+        fn: Any,
+        out: np.ndarray,
+    ) -> tuple[list[ShardStats], dict[ShardRef, BaseException]]:
+        futures: list[tuple[ShardRef, np.ndarray, Future[Any]]] = [
+            (ref, pos, self._pool.submit(fn, ref, pos)) for ref, pos in groups
+        ]
+        stats: list[ShardStats] = []
+        failed: dict[ShardRef, BaseException] = {}
+        for ref, pos, fut in futures:
+            try:
+                values, st = fut.result()
+            except Exception as exc:  # collected: every shard's outcome is known before raising
+                failed[ref] = exc
+                continue
+            out[pos] = values
+            stats.append(st)
+        return stats, failed
+
+    def _retrying(self, attempts: int | None = None) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception(lambda e: is_transient(e) or isinstance(e, RegistryUnavailableError)),
+            wait=wait_random_exponential(multiplier=self.options.backoff_base_s, max=self.options.backoff_max_s),
+            stop=stop_after_attempt(attempts or self.options.max_attempts),
+            reraise=True,
+        )
+
+    def _connect_all(self, refs: list[ShardRef]) -> None:
+        """Open every shard connection a batch needs before any transaction starts, so an unreachable server
+        fails the batch with nothing written."""
+        missing = [r for r in refs if r not in self._conns or self._conns[r].closed]
+        if not missing:
+            return
+        futures = [self._pool.submit(self._open, r) for r in missing]
+        errors = []
+        for fut in futures:
+            try:
+                fut.result()
+            except RegistryUnavailableError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _open(self, ref: ShardRef) -> Any:
+        for attempt in self._retrying(self.options.connect_attempts):
+            with attempt:
+                return self._conn(ref)
+        raise AssertionError("unreachable")
+
+    def _conn(self, ref: ShardRef) -> Any:
+        conn = self._conns.get(ref)
+        if conn is not None and not conn.closed:
+            return conn
+        server = self.layout().server_of(ref)
+        conn = connect(self.servers[server], application_name=self.options.application_name)
+        conn.set_session(isolation_level=ISOLATION_LEVEL_SERIALIZABLE, autocommit=False)
+        with conn.cursor() as cur:
+            cur.execute(q.CREATE_BATCH_TABLE)
+        conn.commit()
+        with self._lock:
+            self._conns[ref] = conn
+        return conn
+
+    def _discard(self, ref: ShardRef, conn: Any, exc: BaseException) -> None:
+        if conn is None:
+            return
+        if not is_connection_error(exc) and not conn.closed:
+            try:
+                conn.rollback()
+                return
+            except Exception:  # noqa: S110 - a failed rollback means the connection is gone; drop it below
+                pass
+        with self._lock:
+            self._conns.pop(ref, None)
+        try:
+            conn.close()
+        except Exception:  # noqa: S110
+            pass
+
+    def _with_retries(self, ref: ShardRef, body: Any) -> tuple[Any, int]:
+        attempts = 0
+        for attempt in self._retrying():
+            with attempt:
+                attempts += 1
+                conn = None
+                try:
+                    conn = self._conn(ref)
+                    return body(conn), attempts
+                except BaseException as exc:
+                    self._discard(ref, conn, exc)
+                    if attempts > 1 or is_transient(exc):
+                        log.debug("shard %s attempt %d failed: %s", ref, attempts, exc)
+                    raise
+        raise AssertionError("unreachable")
+
+    def _ensure_partitions(self, conn: Any, ref: ShardRef, ts_us: np.ndarray) -> int:
+        width = self.partition_width_us
+        starts = np.unique(ts_us // width * width)
+        known = self._partitions.get(ref)
+        if known is None:
+            with conn.cursor() as cur:
+                cur.execute(q.LIST_PARTITIONS, (q.qualified(ref),))
+                known = {int(name.rsplit("_p", 1)[1]) * 1_000_000 for (name,) in cur.fetchall()}
+            conn.commit()
+            self._partitions[ref] = known
+        missing = [int(s) for s in starts.tolist() if int(s) not in known]
+        if not missing:
+            return 0
+        with conn.cursor() as cur:
+            cur.execute(q.ENSURE_PARTITIONS, (ref.version, ref.shard_no, missing))
+            made = int(cur.fetchone()[0])
+        conn.commit()
+        known.update(missing)
+        return made
+
+    def _register_shard(self, ref: ShardRef, keys: EventKeys, token: Token) -> tuple[np.ndarray, ShardStats]:
+        t0 = time.perf_counter()
+        made = 0
+
+        def txn(conn: Any) -> tuple[np.ndarray, int]:
+            nonlocal made
+            made += self._ensure_partitions(conn, ref, keys.ts_us)
+            n = len(keys)
+            out = np.full(n, Outcome.TOO_OLD, dtype=np.int8)
+            with conn.cursor() as cur:
+                cur.execute(q.LOCK_THRESHOLD, (ref.version, ref.shard_no))
+                row = cur.fetchone()
+                if row is None:
+                    raise RegistryError(f"shard {ref} is not hosted on server {self.layout().server_of(ref)!r}")
+                threshold = int(row[0])
+                idx = np.flatnonzero(keys.ts_us >= threshold)
+                inserted = 0
+                if len(idx):
+                    payload = encode_copy(idx.astype(np.int32), keys.ts_us[idx], keys.src[idx])
+                    cur.copy_expert(q.COPY_BATCH, io.BytesIO(payload))
+                    cur.execute(q.insert_batch(ref), {"token": token.value, "threshold": threshold})
+                    inserted = cur.rowcount
+                    out[idx] = Outcome.WON
+                    if inserted < len(idx):
+                        cur.execute(q.prior_rows(ref))
+                        prior = cur.fetchall()
+                        if len(prior) != len(idx) - inserted:
+                            raise RegistryInvariantError(
+                                f"shard {ref}: {len(idx)} eligible, {inserted} inserted, {len(prior)} found before"
+                            )
+                        for i, tok in prior:
+                            out[i] = Outcome.WON_AGAIN if tok == token.value else Outcome.LOST
+            conn.commit()
+            return out, inserted
+
+        (out, inserted), attempts = self._with_retries(ref, txn)
+        return out, ShardStats(ref, self.layout().server_of(ref), len(keys), inserted, attempts,
+                               time.perf_counter() - t0, made)
+
+    def _lookup_shard(self, ref: ShardRef, keys: EventKeys) -> tuple[np.ndarray, np.ndarray, ShardStats]:
+        t0 = time.perf_counter()
+
+        def txn(conn: Any) -> tuple[np.ndarray, np.ndarray]:
+            flags = np.zeros(len(keys), dtype=np.int8)
+            toks = np.zeros(len(keys), dtype=np.int64)
+            with conn.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                cur.execute(q.READ_THRESHOLD, (ref.version, ref.shard_no))
+                row = cur.fetchone()
+                if row is None:
+                    raise RegistryError(f"shard {ref} is not hosted on server {self.layout().server_of(ref)!r}")
+                flags[keys.ts_us < int(row[0])] |= 2
+                payload = encode_copy(np.arange(len(keys), dtype=np.int32), keys.ts_us, keys.src)
+                cur.copy_expert(q.COPY_BATCH, io.BytesIO(payload))
+                cur.execute(q.lookup_rows(ref))
+                for i, tok in cur.fetchall():
+                    flags[i] |= 1
+                    toks[i] = tok or 0
+            conn.commit()
+            return flags, toks
+
+        (flags, toks), attempts = self._with_retries(ref, txn)
+        return flags, toks, ShardStats(ref, self.layout().server_of(ref), len(keys), 0, attempts,
+                                       time.perf_counter() - t0)
+
+
+def read_layout(main_dsn: str) -> tuple[ShardLayout, int]:
+    with autocommit(main_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('photon.shard_config') IS NOT NULL")
+        if not cur.fetchone()[0]:
+            raise RegistryError("the registry is not initialised: run `photon registry init`")
+        cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
+        configs = [ShardConfig(int(v), int(f), int(n), str(s)) for v, f, n, s in cur.fetchall()]
+        cur.execute("SELECT config_version, shard_no, server FROM photon.shard_map")
+        placement = {ShardRef(int(v), int(s)): str(srv) for v, s, srv in cur.fetchall()}
+        cur.execute("SELECT value FROM photon.registry_meta WHERE key = 'partition_width_us'")
+        width = int(cur.fetchone()[0])
+    if not configs:
+        raise RegistryError("the registry has no shard configuration: run `photon registry init`")
+    return ShardLayout(configs, placement), width

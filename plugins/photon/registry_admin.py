@@ -1,0 +1,164 @@
+"""Registry administration: init (migrations + first shard configuration), new shard configurations, GC
+thresholds, and status. Writes that concern every server go to the other servers first and to ``main`` last:
+``main`` is authoritative, so a configuration exists once ``main`` has it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from photon import registry_sql as q
+from photon.migrations import applied, apply_migrations
+from photon.pg import autocommit, redact
+from photon.registry import MAIN, RegistryError, _check_server_names, read_layout
+from photon.sharding import ShardConfig, ShardRef
+
+
+@dataclass
+class InitReport:
+    migrations: dict[str, list[str]] = field(default_factory=dict)  # server -> files applied now
+    created_config: ShardConfig | None = None
+    existing_config: list[ShardConfig] = field(default_factory=list)
+
+
+def _ordered(servers: Mapping[str, str]) -> list[str]:
+    return sorted((s for s in servers if s != MAIN)) + [MAIN]
+
+
+def init_registry(
+    servers: Mapping[str, str],
+    *,
+    num_shards: int = 4,
+    placement: Sequence[str] | None = None,
+    partition_width_us: int | None = None,
+) -> InitReport:
+    """Apply migrations on every server; create the first shard configuration if there is none. Idempotent."""
+    _check_server_names(servers)
+    report = InitReport()
+    for name in _ordered(servers):
+        report.migrations[name] = apply_migrations(servers[name])
+    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
+        existing = [ShardConfig(int(v), int(f), int(n), str(s)) for v, f, n, s in cur.fetchall()]
+    if existing:
+        report.existing_config = existing
+        return report
+    if partition_width_us is not None:
+        if partition_width_us < 60_000_000 or 86_400_000_000 % partition_width_us:
+            raise ValueError("partition width must be at least a minute and divide a day")
+        for name in _ordered(servers):
+            with autocommit(servers[name]) as conn, conn.cursor() as cur:
+                cur.execute("UPDATE photon.registry_meta SET value = %s WHERE key = 'partition_width_us'",
+                            (str(partition_width_us),))
+    report.created_config = add_shard_config(servers, valid_from_us=0, num_shards=num_shards, placement=placement)
+    return report
+
+
+def add_shard_config(
+    servers: Mapping[str, str],
+    *,
+    valid_from_us: int,
+    num_shards: int,
+    placement: Sequence[str] | None = None,
+    state: str = "active",
+) -> ShardConfig:
+    """Add shard configuration ``max(version) + 1`` valid from ``valid_from_us``; shard ``i`` goes to server
+    ``placement[i % len(placement)]``. Creates the shard tables on their servers and records the configuration
+    and shard map on every server. (The acknowledged, future-dated reshard procedure is built on this.)"""
+    _check_server_names(servers)
+    placement = list(placement or [MAIN])
+    missing = [s for s in placement if s not in servers]
+    if missing:
+        raise RegistryError(f"no DSN for server(s) {missing}: set PHOTON_REGISTRY_SERVERS")
+    if not 1 <= num_shards <= 4096:
+        raise ValueError("num_shards must be in 1..4096")
+    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT coalesce(max(version), 0) + 1 FROM photon.shard_config")
+        version = int(cur.fetchone()[0])
+    config = ShardConfig(version, valid_from_us, num_shards, state)
+    shard_server = {i: placement[i % len(placement)] for i in range(num_shards)}
+    for name in _ordered(servers):
+        with autocommit(servers[name]) as conn:
+            conn.autocommit = False
+            with conn.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO photon.shard_config (version, valid_from_us, num_shards, state)"
+                    " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                    (version, valid_from_us, num_shards, state),
+                )
+                cur.executemany(
+                    "INSERT INTO photon.shard_map (config_version, shard_no, server) VALUES (%s, %s, %s)"
+                    " ON CONFLICT DO NOTHING",
+                    [(version, i, srv) for i, srv in shard_server.items()],
+                )
+                for i, srv in shard_server.items():
+                    if srv == name:
+                        cur.execute("SELECT photon.create_shard(%s, %s)", (version, i))
+            conn.commit()
+    return config
+
+
+def advance_gc_threshold(servers: Mapping[str, str], shard: ShardRef, ts_us: int) -> int:
+    """Move one shard's GC threshold forward to ``ts_us`` (never back); return the threshold now in force."""
+    layout, _ = read_layout(servers[MAIN])
+    with autocommit(servers[layout.server_of(shard)]) as conn, conn.cursor() as cur:
+        cur.execute(q.ADVANCE_THRESHOLD, (ts_us, shard.version, shard.shard_no))
+        row = cur.fetchone()
+        if row is None:
+            raise RegistryError(f"shard {shard} not found on its server")
+        return int(row[0])
+
+
+def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
+    """Servers, shard configurations, and per shard: server, GC threshold, partitions, rows, bytes."""
+    out: dict[str, Any] = {"servers": {}, "configs": []}
+    for name, dsn in servers.items():
+        try:
+            out["servers"][name] = {"dsn": redact(dsn), "reachable": True,
+                                    "migrations": [f"{v:04d}_{n}" for v, n in applied(dsn)]}
+        except Exception as exc:
+            out["servers"][name] = {"dsn": redact(dsn), "reachable": False, "error": str(exc).strip()}
+    layout, width = read_layout(servers[MAIN])
+    out["partition_width_us"] = width
+    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
+        configs = cur.fetchall()
+        cur.execute("SELECT count(*), count(*) FILTER (WHERE ended_at IS NULL) FROM photon.owners")
+        total, live = cur.fetchone()
+    out["owners"] = {"total": int(total), "not_ended": int(live)}
+    for version, valid_from, num, state in configs:
+        shards = []
+        for shard_no in range(num):
+            ref = ShardRef(int(version), shard_no)
+            server = layout.placement.get(ref, "?")
+            shards.append({"shard": shard_no, "server": server, "table": ref.table,
+                           **_shard_facts(servers.get(server), ref, exact)})
+        out["configs"].append({"version": int(version), "valid_from_us": int(valid_from),
+                               "num_shards": int(num), "state": state, "shards": shards})
+    return out
+
+
+def _shard_facts(dsn: str | None, ref: ShardRef, exact: bool) -> dict[str, Any]:
+    if dsn is None:
+        return {"error": "no DSN for this server"}
+    try:
+        with autocommit(dsn) as conn, conn.cursor() as cur:
+            cur.execute(q.READ_THRESHOLD, (ref.version, ref.shard_no))
+            row = cur.fetchone()
+            if row is None:
+                return {"error": "shard missing on its server"}
+            cur.execute(
+                "SELECT count(*), coalesce(sum(pg_total_relation_size(c.oid)), 0), coalesce(sum(greatest(c.reltuples, 0)), 0)"
+                " FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
+                (q.qualified(ref),),
+            )
+            parts, size, estimate = cur.fetchone()
+            rows = int(estimate)
+            if exact:
+                cur.execute(q.count_rows(ref))
+                rows = int(cur.fetchone()[0])
+        return {"gc_threshold_us": int(row[0]), "partitions": int(parts), "rows": rows, "bytes": int(size),
+                "rows_exact": exact}
+    except Exception as exc:
+        return {"error": str(exc).strip()}

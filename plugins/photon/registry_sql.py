@@ -1,0 +1,72 @@
+"""SQL of the registry's shard-table family. Table names only ever come from ``ShardRef.table`` (checked against a
+strict pattern) and go through ``psycopg2.sql.Identifier``; values are always parameters."""
+
+from __future__ import annotations
+
+from psycopg2 import sql
+
+from photon.sharding import SHARD_TABLE_RE, ShardRef
+
+# Per connection: the batch goes in here by binary COPY (no WAL, no per-row statements), then one INSERT ... SELECT.
+CREATE_BATCH_TABLE = (
+    "CREATE TEMP TABLE IF NOT EXISTS photon_batch"
+    " (i integer NOT NULL, ts_us bigint NOT NULL, src bigint NOT NULL) ON COMMIT DELETE ROWS"
+)
+COPY_BATCH = "COPY photon_batch (i, ts_us, src) FROM STDIN WITH (FORMAT binary)"
+
+# FOR SHARE: a GC run moving the threshold (UPDATE) waits for this transaction, and this transaction, if the
+# threshold moved after its snapshot, fails with 40001 and is retried with the new value.
+LOCK_THRESHOLD = (
+    "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s FOR SHARE"
+)
+READ_THRESHOLD = "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s"
+ENSURE_PARTITIONS = "SELECT photon.ensure_partitions(%s, %s, %s::bigint[])"
+ADVANCE_THRESHOLD = (
+    "UPDATE photon.shard_state SET gc_threshold_us = greatest(gc_threshold_us, %s), gc_updated_at = now()"
+    " WHERE config_version = %s AND shard_no = %s RETURNING gc_threshold_us"
+)
+LIST_PARTITIONS = (
+    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+    " WHERE i.inhparent = to_regclass(%s)"
+)
+
+
+def _table(ref: ShardRef) -> sql.Composed:
+    name = ref.table
+    if not SHARD_TABLE_RE.match(name):
+        raise ValueError(f"invalid shard table name {name!r}")
+    return sql.SQL("photon.{}").format(sql.Identifier(name))
+
+
+def insert_batch(ref: ShardRef) -> sql.Composed:
+    # The WHERE repeats the client's own filter: nothing below the locked threshold can be inserted.
+    return sql.SQL(
+        "INSERT INTO {} (ts_us, src, token) SELECT ts_us, src, %(token)s FROM photon_batch"
+        " WHERE ts_us >= %(threshold)s ON CONFLICT DO NOTHING"
+    ).format(_table(ref))
+
+
+def prior_rows(ref: ShardRef) -> sql.Composed:
+    """Rows of the batch that existed before this transaction, with their tokens. The LATERAL ... OFFSET 0 keeps
+    the plan to one index probe per batch row (the temp table has no statistics); rows this transaction inserted
+    are recognised by their xmin."""
+    return sql.SQL(
+        "SELECT b.i, r.token FROM photon_batch b CROSS JOIN LATERAL ("
+        " SELECT x.token FROM {} x WHERE x.ts_us = b.ts_us AND x.src = b.src"
+        " AND NOT (x.xmin = pg_current_xact_id()::xid) OFFSET 0) r"
+    ).format(_table(ref))
+
+
+def lookup_rows(ref: ShardRef) -> sql.Composed:
+    return sql.SQL(
+        "SELECT b.i, r.token FROM photon_batch b CROSS JOIN LATERAL ("
+        " SELECT x.token FROM {} x WHERE x.ts_us = b.ts_us AND x.src = b.src OFFSET 0) r"
+    ).format(_table(ref))
+
+
+def count_rows(ref: ShardRef) -> sql.Composed:
+    return sql.SQL("SELECT count(*) FROM {}").format(_table(ref))
+
+
+def qualified(ref: ShardRef) -> str:
+    return f"photon.{ref.table}"
