@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,10 @@ class EmbeddedPostgres:
         self._server: Any = None
 
     def start(self) -> str:
-        import pgserver  # imported lazily: only machines without a DSN need it
+        with warnings.catch_warnings():
+            # platformdirs warns when XDG_RUNTIME_DIR is unset (CI, containers); pgserver then uses /tmp.
+            warnings.simplefilter("ignore")
+            import pgserver  # imported lazily: only machines without a DSN need it
 
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         fresh = not (self.folder / "PG_VERSION").exists()

@@ -1,0 +1,3 @@
+from photon.cli import main
+
+main()

@@ -1,0 +1,93 @@
+"""The demo behind ``make demo``: both data centers' writers racing over the same ids in the registry."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from photon.ids import EventKeys
+from photon.owners import create_owner, end_owner
+from photon.registry import IdRegistry, Outcome, servers_from_settings
+from photon.registry_admin import init_registry
+
+
+def _demo_keys(num_ids: int, seed: int, now: int) -> EventKeys:
+    rng = np.random.default_rng(seed)
+    ts = now - rng.integers(0, 600_000_000, num_ids)  # the last ten minutes
+    ip = (10 << 24) | rng.integers(0, 1 << 16, num_ids)
+    pid = rng.integers(1, 1 << 22, num_ids)
+    src = ((ip.astype(np.uint64) << np.uint64(32)) | pid.astype(np.uint64)).view(np.int64)
+    return EventKeys(ts.astype(np.int64), src)
+
+
+def _writer(pipeline: str, seed: int, now: int, num_ids: int, batch: int, order_seed: int, start: Any,
+            out: Any) -> None:
+    keys = _demo_keys(num_ids, seed, now)
+    order = np.random.default_rng(order_seed).permutation(num_ids)  # each writer meets the ids in its own order
+    with IdRegistry.from_settings() as reg:
+        owner = create_owner(reg.main_dsn, pipeline, {"demo": True})
+        won = np.zeros(num_ids, dtype=bool)
+        counts = {o.name.lower(): 0 for o in Outcome}
+        retries = 0
+        start.wait()
+        t0 = time.perf_counter()
+        for seq, lo in enumerate(range(0, num_ids, batch)):
+            pos = order[lo:lo + batch]
+            res = reg.register(keys.take(pos), owner.token(seq))
+            won[pos] = res.ours
+            for k, v in res.counts().items():
+                counts[k] += v
+            retries += res.retries
+        seconds = time.perf_counter() - t0
+        end_owner(reg.main_dsn, owner.owner_id)
+    out.put((pipeline, owner.owner_id, np.flatnonzero(won), counts, retries, seconds))
+
+
+def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
+    servers = servers_from_settings()
+    init_registry(servers)
+    seed = random.SystemRandom().randrange(1 << 30)
+    now = int(time.time() * 1e6)
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(dc, seed, now, num_ids, batch, i + 1, start, out))
+             for i, dc in enumerate(("dc-a", "dc-b"))]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    table = Table(title=f"two writers racing over the same {num_ids:,} ids ({batch:,} per batch)")
+    for col in ("pipeline", "won", "lost", "won again", "too old", "retries", "seconds", "ids/s"):
+        table.add_column(col, justify="right")
+    owners = {}
+    for pipeline, owner_id, won_pos, counts, retries, seconds in sorted(results):
+        owners[pipeline] = (owner_id, set(won_pos.tolist()))
+        table.add_row(pipeline, f"{counts['won']:,}", f"{counts['lost']:,}", f"{counts['won_again']:,}",
+                      f"{counts['too_old']:,}", str(retries), f"{seconds:.2f}", f"{num_ids / seconds:,.0f}")
+    console.print(table)
+    a, b = owners["dc-a"][1], owners["dc-b"][1]
+    both, neither = len(a & b), num_ids - len(a | b)
+    # The writers' answers against the registry itself: every id is held by the token of the writer that won it.
+    keys = _demo_keys(num_ids, seed, now)
+    with IdRegistry(servers) as reg:
+        found = reg.lookup(keys)
+    holder = found.tokens >> 32
+    owner_a, owner_b = owners["dc-a"][0], owners["dc-b"][0]
+    agree = np.zeros(num_ids, dtype=bool)
+    idx_a, idx_b = np.array(sorted(a), dtype=np.int64), np.array(sorted(b), dtype=np.int64)
+    agree[idx_a] = holder[idx_a] == owner_a
+    agree[idx_b] = holder[idx_b] == owner_b
+    ok = both == 0 and neither == 0 and bool(agree.all())
+    console.print(f"ids won by both: {both}; by neither: {neither}; answers agreeing with the registry: "
+                  f"{int(agree.sum()):,}/{num_ids:,}  ->  {'OK' if ok else 'FAILED'}")
+    console.print(f"(pid {os.getpid()}; registry status: `python -m photon registry status`)")
+    return ok

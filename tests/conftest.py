@@ -1,0 +1,43 @@
+"""Shared fixtures. The registry tests run against a real PostgreSQL: the one PHOTON_REGISTRY_DSN names, or else an
+embedded server started for this test session. Every test gets its own database(s), dropped afterwards."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from photon.pg import EmbeddedPostgres, create_database, drop_database, with_dbname
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    dsn = os.environ.get("PHOTON_REGISTRY_DSN")
+    if dsn:
+        # Databases are created beside the one named; that one is never touched.
+        yield with_dbname(dsn, "postgres")
+        return
+    server = EmbeddedPostgres(Path(tmp_path_factory.mktemp("pg")) / "data", cleanup_mode="delete")
+    server.start()
+    try:
+        yield server.admin_dsn
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_db(pg_admin_dsn: str) -> Iterator[Callable[[], str]]:
+    """Factory of fresh databases for one test; all dropped at teardown."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"photon_t_{uuid.uuid4().hex[:12]}"
+        made.append(name)
+        return create_database(pg_admin_dsn, name)
+
+    yield make
+    for name in made:
+        drop_database(pg_admin_dsn, name)
