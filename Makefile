@@ -25,6 +25,7 @@ $(VENV)/.ready: requirements.txt
 
 lint: setup
 	"$(VENV)/bin/ruff" check plugins tests bench dags spark
+	"$(VENV)/bin/ruff" format --check plugins tests bench dags spark
 	"$(VENV)/bin/mypy"
 
 test: setup lint

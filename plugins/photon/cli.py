@@ -22,8 +22,11 @@ console = Console()
 
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
+    )
 
 
 @registry_app.command("init")
@@ -36,8 +39,12 @@ def registry_init(
     from photon.registry_admin import init_registry
 
     servers = servers_from_settings()
-    report = init_registry(servers, num_shards=shards, placement=[p.strip() for p in place.split(",") if p.strip()],
-                           partition_width_us=partition_minutes * 60_000_000)
+    report = init_registry(
+        servers,
+        num_shards=shards,
+        placement=[p.strip() for p in place.split(",") if p.strip()],
+        partition_width_us=partition_minutes * 60_000_000,
+    )
     for name, files in report.migrations.items():
         console.print(f"server [bold]{name}[/]: " + (f"applied {', '.join(files)}" if files else "schema up to date"))
     if report.created_config:
@@ -45,8 +52,7 @@ def registry_init(
         console.print(f"created shard configuration v{c.version}: {c.num_shards} shards on {place}")
     else:
         latest = report.existing_config[-1]
-        console.print(f"shard configuration present (latest v{latest.version}, {latest.num_shards} shards): "
-                      "unchanged")
+        console.print(f"shard configuration present (latest v{latest.version}, {latest.num_shards} shards): unchanged")
 
 
 @registry_app.command("status")
@@ -66,16 +72,25 @@ def registry_status(
         console.print(f"server [bold]{name}[/] ({s['dsn']}): {state}")
     console.print(f"partition width: {st['partition_width_us'] // 60_000_000} min; owners: {st['owners']}")
     for cfg in st["configs"]:
-        table = Table(title=f"config v{cfg['version']} ({cfg['state']}), valid from {cfg['valid_from_us']} us, "
-                            f"{cfg['num_shards']} shards")
+        table = Table(
+            title=f"config v{cfg['version']} ({cfg['state']}), valid from {cfg['valid_from_us']} us, "
+            f"{cfg['num_shards']} shards"
+        )
         for col in ("shard", "server", "table", "gc threshold us", "partitions", "rows", "bytes"):
             table.add_column(col, justify="right" if col not in ("server", "table") else "left")
         for sh in cfg["shards"]:
             if "error" in sh:
                 table.add_row(str(sh["shard"]), sh["server"], sh["table"], f"[red]{sh['error']}[/]", "", "", "")
                 continue
-            table.add_row(str(sh["shard"]), sh["server"], sh["table"], str(sh["gc_threshold_us"]),
-                          str(sh["partitions"]), f"{sh['rows']:,}", f"{sh['bytes']:,}")
+            table.add_row(
+                str(sh["shard"]),
+                sh["server"],
+                sh["table"],
+                str(sh["gc_threshold_us"]),
+                str(sh["partitions"]),
+                f"{sh['rows']:,}",
+                f"{sh['bytes']:,}",
+            )
         console.print(table)
 
 

@@ -27,8 +27,9 @@ def _demo_keys(num_ids: int, seed: int, now: int) -> EventKeys:
     return EventKeys(ts.astype(np.int64), src)
 
 
-def _writer(pipeline: str, seed: int, now: int, num_ids: int, batch: int, order_seed: int, start: Any,
-            out: Any) -> None:
+def _writer(
+    pipeline: str, seed: int, now: int, num_ids: int, batch: int, order_seed: int, start: Any, out: Any
+) -> None:
     keys = _demo_keys(num_ids, seed, now)
     order = np.random.default_rng(order_seed).permutation(num_ids)  # each writer meets the ids in its own order
     with IdRegistry.from_settings() as reg:
@@ -39,7 +40,7 @@ def _writer(pipeline: str, seed: int, now: int, num_ids: int, batch: int, order_
         start.wait()
         t0 = time.perf_counter()
         for seq, lo in enumerate(range(0, num_ids, batch)):
-            pos = order[lo:lo + batch]
+            pos = order[lo : lo + batch]
             res = reg.register(keys.take(pos), owner.token(seq))
             won[pos] = res.ours
             for k, v in res.counts().items():
@@ -57,8 +58,10 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
     now = int(time.time() * 1e6)
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(dc, seed, now, num_ids, batch, i + 1, start, out))
-             for i, dc in enumerate(("dc-a", "dc-b"))]
+    procs = [
+        ctx.Process(target=_writer, args=(dc, seed, now, num_ids, batch, i + 1, start, out))
+        for i, dc in enumerate(("dc-a", "dc-b"))
+    ]
     for p in procs:
         p.start()
     start.set()
@@ -71,8 +74,16 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
     owners = {}
     for pipeline, owner_id, won_pos, counts, retries, seconds in sorted(results):
         owners[pipeline] = (owner_id, set(won_pos.tolist()))
-        table.add_row(pipeline, f"{counts['won']:,}", f"{counts['lost']:,}", f"{counts['won_again']:,}",
-                      f"{counts['too_old']:,}", str(retries), f"{seconds:.2f}", f"{num_ids / seconds:,.0f}")
+        table.add_row(
+            pipeline,
+            f"{counts['won']:,}",
+            f"{counts['lost']:,}",
+            f"{counts['won_again']:,}",
+            f"{counts['too_old']:,}",
+            str(retries),
+            f"{seconds:.2f}",
+            f"{num_ids / seconds:,.0f}",
+        )
     console.print(table)
     a, b = owners["dc-a"][1], owners["dc-b"][1]
     both, neither = len(a & b), num_ids - len(a | b)
@@ -87,7 +98,9 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
     agree[idx_a] = holder[idx_a] == owner_a
     agree[idx_b] = holder[idx_b] == owner_b
     ok = both == 0 and neither == 0 and bool(agree.all())
-    console.print(f"ids won by both: {both}; by neither: {neither}; answers agreeing with the registry: "
-                  f"{int(agree.sum()):,}/{num_ids:,}  ->  {'OK' if ok else 'FAILED'}")
+    console.print(
+        f"ids won by both: {both}; by neither: {neither}; answers agreeing with the registry: "
+        f"{int(agree.sum()):,}/{num_ids:,}  ->  {'OK' if ok else 'FAILED'}"
+    )
     console.print(f"(pid {os.getpid()}; registry status: `python -m photon registry status`)")
     return ok

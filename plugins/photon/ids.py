@@ -73,8 +73,9 @@ class EventKeys:
             # Fill the holes so the casts below run; the error is raised after collecting every problem.
             filler = pa.scalar({"a": "0", "b": "0", "c": "0", "d": "0", "pid": "0", "ts": "0"}, parts.type)
             parts = pc.fill_null(parts, filler)
-        fields = {name: pc.struct_field(parts, name).cast(pa.int64()).to_numpy() for name in
-                  ("a", "b", "c", "d", "pid", "ts")}
+        fields = {
+            name: pc.struct_field(parts, name).cast(pa.int64()).to_numpy() for name in ("a", "b", "c", "d", "pid", "ts")
+        }
         octets_bad = (fields["a"] > 255) | (fields["b"] > 255) | (fields["c"] > 255) | (fields["d"] > 255)
         pid_bad = fields["pid"] > MAX_PID
         problems_mask = bad | octets_bad | pid_bad
@@ -104,7 +105,9 @@ def _as_string_array(ids: Iterable[object] | pa.Array | pa.ChunkedArray) -> pa.A
     return pa.array(values, type=pa.string())
 
 
-def _describe(arr: pa.Array, bad: np.ndarray, octets_bad: np.ndarray, pid_bad: np.ndarray) -> list[tuple[int, object, str]]:
+def _describe(
+    arr: pa.Array, bad: np.ndarray, octets_bad: np.ndarray, pid_bad: np.ndarray
+) -> list[tuple[int, object, str]]:
     problems: list[tuple[int, object, str]] = []
     for pos in np.flatnonzero(bad | octets_bad | pid_bad)[:_MAX_SHOWN].tolist():
         value = arr[pos].as_py()

@@ -63,5 +63,4 @@ def create_owner(main_dsn: str, pipeline: str, info: dict[str, Any] | None = Non
 
 def end_owner(main_dsn: str, owner_id: int) -> None:
     with autocommit(main_dsn) as conn, conn.cursor() as cur:
-        cur.execute("UPDATE photon.owners SET ended_at = now() WHERE owner_id = %s AND ended_at IS NULL",
-                    (owner_id,))
+        cur.execute("UPDATE photon.owners SET ended_at = now() WHERE owner_id = %s AND ended_at IS NULL", (owner_id,))

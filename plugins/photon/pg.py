@@ -37,8 +37,14 @@ def is_connection_error(exc: BaseException) -> bool:
     # OperationalError without a SQLSTATE is libpq losing the server; with one it is e.g. a cancelled statement.
     if isinstance(exc, psycopg2.InterfaceError):
         return True
-    return isinstance(exc, psycopg2.OperationalError) and getattr(exc, "pgcode", None) in (None, "57P01", "57P02",
-                                                                                           "57P03", "08006", "08003")
+    return isinstance(exc, psycopg2.OperationalError) and getattr(exc, "pgcode", None) in (
+        None,
+        "57P01",
+        "57P02",
+        "57P03",
+        "08006",
+        "08003",
+    )
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -10,6 +10,7 @@ Whole transactions are retried on 40001/40P01 and lost connections, with capped,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import threading
@@ -150,9 +151,20 @@ def _check_server_names(servers: Mapping[str, str]) -> None:
 
 def encode_copy(i: np.ndarray, ts_us: np.ndarray, src: np.ndarray) -> bytes:
     """PostgreSQL binary COPY of (int4 i, int8 ts_us, int8 src): built as one numpy record array."""
-    rec = np.empty(len(i), dtype=np.dtype([
-        ("n", ">i2"), ("l1", ">i4"), ("i", ">i4"), ("l2", ">i4"), ("ts", ">i8"), ("l3", ">i4"), ("src", ">i8"),
-    ]))
+    rec = np.empty(
+        len(i),
+        dtype=np.dtype(
+            [
+                ("n", ">i2"),
+                ("l1", ">i4"),
+                ("i", ">i4"),
+                ("l2", ">i4"),
+                ("ts", ">i8"),
+                ("l3", ">i4"),
+                ("src", ">i8"),
+            ]
+        ),
+    )
     rec["n"], rec["l1"], rec["l2"], rec["l3"] = 3, 4, 8, 8
     rec["i"], rec["ts"], rec["src"] = i, ts_us, src
     return b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8 + rec.tobytes() + b"\xff\xff"
@@ -290,8 +302,10 @@ class IdRegistry:
             if len(bad):
                 shown = keys.take(bad[:5]).to_ids()
                 raise InvalidEventIdError(
-                    [(int(p), i, f"event time {int(t[p])} differs from the id's own timestamp")
-                     for p, i in zip(bad[:5].tolist(), shown, strict=True)],
+                    [
+                        (int(p), i, f"event time {int(t[p])} differs from the id's own timestamp")
+                        for p, i in zip(bad[:5].tolist(), shown, strict=True)
+                    ],
                     len(bad),
                 )
         limit = int((time.time() + self.options.max_future_s) * 1e6)
@@ -299,8 +313,10 @@ class IdRegistry:
         if len(future):
             shown = keys.take(future[:5]).to_ids()
             raise InvalidEventIdError(
-                [(int(p), i, f"timestamp more than {self.options.max_future_s:g}s in the future")
-                 for p, i in zip(future[:5].tolist(), shown, strict=True)],
+                [
+                    (int(p), i, f"timestamp more than {self.options.max_future_s:g}s in the future")
+                    for p, i in zip(future[:5].tolist(), shown, strict=True)
+                ],
                 len(future),
             )
 
@@ -388,14 +404,12 @@ class IdRegistry:
             try:
                 conn.rollback()
                 return
-            except Exception:  # noqa: S110 - a failed rollback means the connection is gone; drop it below
+            except Exception:
                 pass
         with self._lock:
             self._conns.pop(ref, None)
-        try:
+        with contextlib.suppress(Exception):
             conn.close()
-        except Exception:  # noqa: S110
-            pass
 
     def _with_retries(self, ref: ShardRef, body: Any) -> tuple[Any, int]:
         attempts = 0
@@ -469,8 +483,9 @@ class IdRegistry:
             return out, inserted
 
         (out, inserted), attempts = self._with_retries(ref, txn)
-        return out, ShardStats(ref, self.layout().server_of(ref), len(keys), inserted, attempts,
-                               time.perf_counter() - t0, made)
+        return out, ShardStats(
+            ref, self.layout().server_of(ref), len(keys), inserted, attempts, time.perf_counter() - t0, made
+        )
 
     def _lookup_shard(self, ref: ShardRef, keys: EventKeys) -> tuple[np.ndarray, np.ndarray, ShardStats]:
         t0 = time.perf_counter()
@@ -495,8 +510,11 @@ class IdRegistry:
             return flags, toks
 
         (flags, toks), attempts = self._with_retries(ref, txn)
-        return flags, toks, ShardStats(ref, self.layout().server_of(ref), len(keys), 0, attempts,
-                                       time.perf_counter() - t0)
+        return (
+            flags,
+            toks,
+            ShardStats(ref, self.layout().server_of(ref), len(keys), 0, attempts, time.perf_counter() - t0),
+        )
 
 
 def read_layout(main_dsn: str) -> tuple[ShardLayout, int]:

@@ -23,7 +23,7 @@ class InitReport:
 
 
 def _ordered(servers: Mapping[str, str]) -> list[str]:
-    return sorted((s for s in servers if s != MAIN)) + [MAIN]
+    return [*sorted(s for s in servers if s != MAIN), MAIN]
 
 
 def init_registry(
@@ -49,8 +49,10 @@ def init_registry(
             raise ValueError("partition width must be at least a minute and divide a day")
         for name in _ordered(servers):
             with autocommit(servers[name]) as conn, conn.cursor() as cur:
-                cur.execute("UPDATE photon.registry_meta SET value = %s WHERE key = 'partition_width_us'",
-                            (str(partition_width_us),))
+                cur.execute(
+                    "UPDATE photon.registry_meta SET value = %s WHERE key = 'partition_width_us'",
+                    (str(partition_width_us),),
+                )
     report.created_config = add_shard_config(servers, valid_from_us=0, num_shards=num_shards, placement=placement)
     return report
 
@@ -115,8 +117,11 @@ def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"servers": {}, "configs": []}
     for name, dsn in servers.items():
         try:
-            out["servers"][name] = {"dsn": redact(dsn), "reachable": True,
-                                    "migrations": [f"{v:04d}_{n}" for v, n in applied(dsn)]}
+            out["servers"][name] = {
+                "dsn": redact(dsn),
+                "reachable": True,
+                "migrations": [f"{v:04d}_{n}" for v, n in applied(dsn)],
+            }
         except Exception as exc:
             out["servers"][name] = {"dsn": redact(dsn), "reachable": False, "error": str(exc).strip()}
     layout, width = read_layout(servers[MAIN])
@@ -132,10 +137,23 @@ def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
         for shard_no in range(num):
             ref = ShardRef(int(version), shard_no)
             server = layout.placement.get(ref, "?")
-            shards.append({"shard": shard_no, "server": server, "table": ref.table,
-                           **_shard_facts(servers.get(server), ref, exact)})
-        out["configs"].append({"version": int(version), "valid_from_us": int(valid_from),
-                               "num_shards": int(num), "state": state, "shards": shards})
+            shards.append(
+                {
+                    "shard": shard_no,
+                    "server": server,
+                    "table": ref.table,
+                    **_shard_facts(servers.get(server), ref, exact),
+                }
+            )
+        out["configs"].append(
+            {
+                "version": int(version),
+                "valid_from_us": int(valid_from),
+                "num_shards": int(num),
+                "state": state,
+                "shards": shards,
+            }
+        )
     return out
 
 
@@ -148,17 +166,18 @@ def _shard_facts(dsn: str | None, ref: ShardRef, exact: bool) -> dict[str, Any]:
             row = cur.fetchone()
             if row is None:
                 return {"error": "shard missing on its server"}
-            cur.execute(
-                "SELECT count(*), coalesce(sum(pg_total_relation_size(c.oid)), 0), coalesce(sum(greatest(c.reltuples, 0)), 0)"
-                " FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
-                (q.qualified(ref),),
-            )
+            cur.execute(q.SHARD_SIZE, (q.qualified(ref),))
             parts, size, estimate = cur.fetchone()
             rows = int(estimate)
             if exact:
                 cur.execute(q.count_rows(ref))
                 rows = int(cur.fetchone()[0])
-        return {"gc_threshold_us": int(row[0]), "partitions": int(parts), "rows": rows, "bytes": int(size),
-                "rows_exact": exact}
+        return {
+            "gc_threshold_us": int(row[0]),
+            "partitions": int(parts),
+            "rows": rows,
+            "bytes": int(size),
+            "rows_exact": exact,
+        }
     except Exception as exc:
         return {"error": str(exc).strip()}

@@ -16,18 +16,20 @@ COPY_BATCH = "COPY photon_batch (i, ts_us, src) FROM STDIN WITH (FORMAT binary)"
 
 # FOR SHARE: a GC run moving the threshold (UPDATE) waits for this transaction, and this transaction, if the
 # threshold moved after its snapshot, fails with 40001 and is retried with the new value.
-LOCK_THRESHOLD = (
-    "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s FOR SHARE"
-)
+LOCK_THRESHOLD = "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s FOR SHARE"
 READ_THRESHOLD = "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s"
 ENSURE_PARTITIONS = "SELECT photon.ensure_partitions(%s, %s, %s::bigint[])"
 ADVANCE_THRESHOLD = (
     "UPDATE photon.shard_state SET gc_threshold_us = greatest(gc_threshold_us, %s), gc_updated_at = now()"
     " WHERE config_version = %s AND shard_no = %s RETURNING gc_threshold_us"
 )
+# Partitions, bytes and estimated rows of one shard table (named by its qualified name).
+SHARD_SIZE = (
+    "SELECT count(*), coalesce(sum(pg_total_relation_size(c.oid)), 0), coalesce(sum(greatest(c.reltuples, 0)), 0)"
+    " FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)"
+)
 LIST_PARTITIONS = (
-    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
-    " WHERE i.inhparent = to_regclass(%s)"
+    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)"
 )
 
 

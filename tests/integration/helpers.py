@@ -20,8 +20,17 @@ def keys_from(ts: np.ndarray, src: np.ndarray) -> EventKeys:
     return EventKeys(np.ascontiguousarray(ts, dtype=np.int64), np.ascontiguousarray(src, dtype=np.int64))
 
 
-def race_worker(servers: dict[str, str], name: str, ts: np.ndarray, src: np.ndarray, positions: np.ndarray,
-                batch: int, seed: int, start: Any, out: Any) -> None:
+def race_worker(
+    servers: dict[str, str],
+    name: str,
+    ts: np.ndarray,
+    src: np.ndarray,
+    positions: np.ndarray,
+    batch: int,
+    seed: int,
+    start: Any,
+    out: Any,
+) -> None:
     """Register the ids at ``positions`` in shuffled batches; report (name, owner_id, positions, outcomes)."""
     keys = keys_from(ts, src)
     order = np.random.default_rng(seed).permutation(positions)
@@ -30,7 +39,7 @@ def race_worker(servers: dict[str, str], name: str, ts: np.ndarray, src: np.ndar
         start.wait()
         got_pos, got_out = [], []
         for seq, lo in enumerate(range(0, len(order), batch)):
-            pos = order[lo:lo + batch]
+            pos = order[lo : lo + batch]
             res = reg.register(keys.take(pos), owner.token(seq))
             got_pos.append(pos)
             got_out.append(res.outcomes)
@@ -41,8 +50,9 @@ def race_worker(servers: dict[str, str], name: str, ts: np.ndarray, src: np.ndar
         out.put((name, owner.owner_id, np.concatenate(got_pos), np.concatenate(got_out)))
 
 
-def spread_worker(servers: dict[str, str], name: str, ts: np.ndarray, src: np.ndarray, batch: int, seed: int,
-                  start: Any, out: Any) -> None:
+def spread_worker(
+    servers: dict[str, str], name: str, ts: np.ndarray, src: np.ndarray, batch: int, seed: int, start: Any, out: Any
+) -> None:
     keys = keys_from(ts, src)
     order = np.random.default_rng(seed).permutation(len(ts))
     counts = np.zeros(4, dtype=np.int64)
@@ -50,7 +60,7 @@ def spread_worker(servers: dict[str, str], name: str, ts: np.ndarray, src: np.nd
         owner = create_owner(servers["main"], name)
         start.wait()
         for seq, lo in enumerate(range(0, len(order), batch)):
-            res = reg.register(keys.take(order[lo:lo + batch]), owner.token(seq))
+            res = reg.register(keys.take(order[lo : lo + batch]), owner.token(seq))
             counts += np.bincount(res.outcomes.astype(np.int64), minlength=4)
     out.put((name, counts))
 

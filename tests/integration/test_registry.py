@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +23,12 @@ from photon.sharding import ShardRef
 from tests.integration.helpers import CommitCuttingProxy, keys_from, race_worker, spread_worker
 
 pytestmark = pytest.mark.integration
+MakeDb = Callable[[], str]
 HOUR = 3_600_000_000
 
 
 @pytest.fixture
-def servers(make_db) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def servers(make_db: MakeDb) -> dict[str, str]:
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=4)
     return {"main": dsn}
@@ -116,8 +117,10 @@ def test_processes_racing_agree_on_exactly_one_winner(servers: dict[str, str]) -
         wanted[s] = True
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=race_worker, args=(servers, f"w{i}", ts, src, subsets[i], 2_000, i, start, out))
-             for i in range(workers)]
+    procs = [
+        ctx.Process(target=race_worker, args=(servers, f"w{i}", ts, src, subsets[i], 2_000, i, start, out))
+        for i in range(workers)
+    ]
     for p in procs:
         p.start()
     start.set()
@@ -138,11 +141,10 @@ def test_processes_racing_agree_on_exactly_one_winner(servers: dict[str, str]) -
     assert winners[wanted].tolist() == [1] * int(wanted.sum())
     for owner, positions in holder.items():
         for p in positions:
-            assert Token.from_value(rows[(int(ts[p]), int(src[p]))][2]).owner_id == owner  # type: ignore[arg-type]
+            assert Token.from_value(rows[(int(ts[p]), int(src[p]))][2]).owner_id == owner
     for _, owner, pos, outcomes in results:
         lost = pos[outcomes == Outcome.LOST]
-        assert all(Token.from_value(rows[(int(ts[p]), int(src[p]))][2]).owner_id != owner  # type: ignore[arg-type]
-                   for p in lost.tolist())
+        assert all(Token.from_value(rows[(int(ts[p]), int(src[p]))][2]).owner_id != owner for p in lost.tolist())
         retried = outcomes == 100
         assert retried.sum() > 0
 
@@ -155,8 +157,9 @@ def test_gc_threshold_moving_during_inserts_admits_nothing_older(servers: dict[s
     src = ((10 << 56) | rng.integers(1, 1 << 20, n)).astype(np.int64)
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=spread_worker, args=(servers, f"w{i}", ts, src, 1_500, i, start, out))
-             for i in range(2)]
+    procs = [
+        ctx.Process(target=spread_worker, args=(servers, f"w{i}", ts, src, 1_500, i, start, out)) for i in range(2)
+    ]
     for p in procs:
         p.start()
     with IdRegistry(servers) as reg:
@@ -192,8 +195,11 @@ def test_threshold_never_goes_back(servers: dict[str, str], registry: IdRegistry
     ref = registry.layout().shards()[0]
     assert advance_gc_threshold(servers, ref, 5_000) == 5_000
     assert advance_gc_threshold(servers, ref, 1_000) == 5_000  # a slower GC run racing: no effect
-    with autocommit(servers["main"]) as conn, conn.cursor() as cur, pytest.raises(psycopg2.Error,
-                                                                                   match="cannot go back"):
+    with (
+        autocommit(servers["main"]) as conn,
+        conn.cursor() as cur,
+        pytest.raises(psycopg2.Error, match="cannot go back"),
+    ):
         cur.execute("UPDATE photon.shard_state SET gc_threshold_us = 10 WHERE shard_no = %s", (ref.shard_no,))
 
 
@@ -208,7 +214,7 @@ def test_too_old_ids_are_refused_in_a_mixed_batch(servers: dict[str, str], regis
     assert min(t for t, _ in table_rows(servers)) >= cut
 
 
-def test_shard_config_change_routes_ids_by_their_own_time_across_two_servers(make_db) -> None:  # type: ignore[no-untyped-def]
+def test_shard_config_change_routes_ids_by_their_own_time_across_two_servers(make_db: MakeDb) -> None:
     servers = {"main": make_db(), "pg2": make_db()}
     init_registry(servers, num_shards=2)
     change = now_us() - HOUR
@@ -258,7 +264,7 @@ def test_empty_batch_is_an_empty_answer_without_a_transaction(registry: IdRegist
     assert len(registry.lookup([]).registered) == 0
 
 
-def test_unreachable_server_fails_the_batch_with_nothing_written(make_db) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_server_fails_the_batch_with_nothing_written(make_db: MakeDb) -> None:
     main = make_db()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -269,8 +275,10 @@ def test_unreachable_server_fails_the_batch_with_nothing_written(make_db) -> Non
     init_registry({"main": main, "pg2": pg2}, num_shards=4, placement=["main", "pg2"])
     owner = create_owner(main, "dc-a")
     ids = ids_at(now_us(), 500)
-    with IdRegistry({"main": main, "pg2": dead}, RegistryOptions(connect_attempts=2)) as reg, \
-            pytest.raises(RegistryUnavailableError, match=f"port={dead_port}"):
+    with (
+        IdRegistry({"main": main, "pg2": dead}, RegistryOptions(connect_attempts=2)) as reg,
+        pytest.raises(RegistryUnavailableError, match=f"port={dead_port}"),
+    ):
         reg.register(ids, owner.token(0))
     assert table_rows({"main": main, "pg2": pg2}) == {}
     with IdRegistry({"main": main, "pg2": pg2}) as reg:  # once the server is back, the same batch goes through
@@ -299,7 +307,7 @@ def test_lost_connection_during_commit_is_resolved_by_rereading(servers: dict[st
         proxy.close()
 
 
-def test_migrations_apply_once_and_guard_their_history(make_db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_migrations_apply_once_and_guard_their_history(make_db: MakeDb, tmp_path: Path) -> None:
     dsn = make_db()
     report = init_registry({"main": dsn}, num_shards=2)
     assert report.migrations["main"] == ["0001_registry.sql"]
@@ -329,9 +337,13 @@ def test_roles_have_least_privilege(servers: dict[str, str], registry: IdRegistr
             assert res.counts()["won"] == 10
             assert reg.lookup(mine).registered.all()
         with autocommit(joiner_dsn) as conn, conn.cursor() as cur:
-            for stmt in (f"DELETE FROM photon.{table}", f"UPDATE photon.{table} SET token = NULL",
-                         "UPDATE photon.shard_state SET gc_threshold_us = gc_threshold_us + 1",
-                         f"DROP TABLE photon.{table}", "SELECT photon.create_shard(1, 99)"):
+            for stmt in (
+                f"DELETE FROM photon.{table}",
+                f"UPDATE photon.{table} SET token = NULL",
+                "UPDATE photon.shard_state SET gc_threshold_us = gc_threshold_us + 1",
+                f"DROP TABLE photon.{table}",
+                "SELECT photon.create_shard(1, 99)",
+            ):
                 with pytest.raises(psycopg2.errors.InsufficientPrivilege):
                     cur.execute(stmt)
     finally:
@@ -339,7 +351,7 @@ def test_roles_have_least_privilege(servers: dict[str, str], registry: IdRegistr
             cur.execute(f"DROP OWNED BY {login}; DROP ROLE {login}")
 
 
-def test_uninitialised_registry_is_a_clear_error(make_db) -> None:  # type: ignore[no-untyped-def]
+def test_uninitialised_registry_is_a_clear_error(make_db: MakeDb) -> None:
     with IdRegistry({"main": make_db()}) as reg, pytest.raises(RegistryError, match="photon registry init"):
         reg.layout()
 

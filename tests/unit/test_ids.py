@@ -6,8 +6,12 @@ from photon.ids import EventKeys, InvalidEventIdError, format_id, parse_id
 
 
 def test_round_trip_is_exact() -> None:
-    ids = ["10.1.2.3-4711-1763737200123456", "0.0.0.0-0-0", "255.255.255.255-4294967295-999999999999999999",
-           "192.168.0.1-1-1763737203000001"]
+    ids = [
+        "10.1.2.3-4711-1763737200123456",
+        "0.0.0.0-0-0",
+        "255.255.255.255-4294967295-999999999999999999",
+        "192.168.0.1-1-1763737203000001",
+    ]
     keys = EventKeys.from_ids(ids)
     assert keys.to_ids() == ids
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from photon.ids import EventKeys
-from photon.sharding import ShardConfig, _mix64_int, ShardLayout, ShardRef, stable_hash, stable_hash_keys
+from photon.sharding import ShardConfig, ShardLayout, ShardRef, _mix64_int, stable_hash, stable_hash_keys
 
 # Pinned values: if these change, every existing registry would look for its ids in the wrong shard.
 GOLDEN = {
@@ -24,9 +24,15 @@ def test_hash_is_pinned() -> None:
 
 def test_vectorised_hash_equals_reference() -> None:
     rng = np.random.default_rng(7)
-    ids = [f"{a}.{b}.{c}.{d}-{p}-{t}" for a, b, c, d, p, t in zip(
-        *(rng.integers(0, 256, 300) for _ in range(4)), rng.integers(0, 2**32, 300),
-        rng.integers(0, 10**17, 300), strict=True)]
+    ids = [
+        f"{a}.{b}.{c}.{d}-{p}-{t}"
+        for a, b, c, d, p, t in zip(
+            *(rng.integers(0, 256, 300) for _ in range(4)),
+            rng.integers(0, 2**32, 300),
+            rng.integers(0, 10**17, 300),
+            strict=True,
+        )
+    ]
     vec = stable_hash_keys(EventKeys.from_ids(ids))
     assert [int(h) for h in vec] == [stable_hash(i) for i in ids]
 
