@@ -1,11 +1,19 @@
 """The IdRegistry client: ``register`` (who owns each id) and ``lookup`` (the dispatcher's pre-filter).
 
-One serializable transaction per shard per batch, shards in parallel. Inside it: lock the shard's GC threshold row
-(FOR SHARE), binary-COPY the batch's eligible keys into a temp table, ``INSERT ... SELECT ... ON CONFLICT DO
-NOTHING``. If every eligible key was inserted (the common case) that is the whole answer; otherwise one more
-statement reads the rows that were there before, with their tokens. Correctness rests on the unique key: a key
-already present with another token is lost; with our own token it is ours again (a retry after an unknown commit).
-Whole transactions are retried on 40001/40P01 and lost connections, with capped, jittered exponential backoff.
+One SERIALIZABLE transaction per shard per batch, shards in parallel. Inside it the shard's GC threshold row is
+locked FOR SHARE (a GC run moving it waits for us; if it moved after our snapshot we fail with 40001 and retry),
+ids below it are answered TOO_OLD, and the rest are written one of two ways:
+
+- fast path: a binary COPY straight into the shard under a savepoint. It succeeds only if every id is new (the
+  common case after the dispatcher's pre-filter); a single id already there fails it with a unique violation, the
+  savepoint is rolled back and the batch takes the conditional path. A shard whose last batch met ids already
+  registered skips the fast path for its next batch.
+- conditional path: the batch goes to a temp table by binary COPY, then one ``INSERT ... SELECT ... ON CONFLICT DO
+  NOTHING`` whose CTEs also read the rows that were there before, with their tokens.
+
+Correctness rests on the unique key either way: a key present with another token is LOST; with our own token it
+is WON_AGAIN (a retry after an unknown commit outcome). Whole transactions are retried on 40001/40P01 and on lost
+connections (including a COMMIT whose answer never came: the retry re-reads), with capped, jittered backoff.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
+import psycopg2.errors
 import pyarrow as pa
 from psycopg2.extensions import ISOLATION_LEVEL_SERIALIZABLE
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
@@ -76,6 +85,7 @@ class RegistryOptions:
     max_parallel: int = 8  # shards registered at once
     max_future_s: float = 86_400.0
     application_name: str = "photon-registry"
+    fast_path: bool = True  # try the all-new bulk COPY first; False: always the conditional INSERT
 
 
 @dataclass(frozen=True)
@@ -149,24 +159,18 @@ def _check_server_names(servers: Mapping[str, str]) -> None:
             raise ValueError(f"invalid registry server name {name!r} (lowercase letters, digits, underscore)")
 
 
-def encode_copy(i: np.ndarray, ts_us: np.ndarray, src: np.ndarray) -> bytes:
-    """PostgreSQL binary COPY of (int4 i, int8 ts_us, int8 src): built as one numpy record array."""
-    rec = np.empty(
-        len(i),
-        dtype=np.dtype(
-            [
-                ("n", ">i2"),
-                ("l1", ">i4"),
-                ("i", ">i4"),
-                ("l2", ">i4"),
-                ("ts", ">i8"),
-                ("l3", ">i4"),
-                ("src", ">i8"),
-            ]
-        ),
-    )
-    rec["n"], rec["l1"], rec["l2"], rec["l3"] = 3, 4, 8, 8
-    rec["i"], rec["ts"], rec["src"] = i, ts_us, src
+def encode_copy(*columns: np.ndarray) -> bytes:
+    """PostgreSQL binary COPY of int4/int8 columns, built as one numpy record array (no per-row Python)."""
+    fields: list[tuple[str, str]] = [("n", ">i2")]
+    for k, col in enumerate(columns):
+        if col.dtype not in (np.int32, np.int64):
+            raise TypeError("binary COPY columns must be int32 or int64")
+        fields += [(f"l{k}", ">i4"), (f"v{k}", ">i4" if col.dtype == np.int32 else ">i8")]
+    rec = np.empty(len(columns[0]), dtype=np.dtype(fields))
+    rec["n"] = len(columns)
+    for k, col in enumerate(columns):
+        rec[f"l{k}"] = col.dtype.itemsize
+        rec[f"v{k}"] = col
     return b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8 + rec.tobytes() + b"\xff\xff"
 
 
@@ -193,6 +197,8 @@ class IdRegistry:
         self._width: int | None = None
         self._conns: dict[ShardRef, Any] = {}
         self._partitions: dict[ShardRef, set[int]] = {}
+        # Shards whose last batch met ids already registered: their next batch skips the fast path.
+        self._conflicted: dict[ShardRef, bool] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.options.max_parallel, thread_name_prefix="photon-reg")
 
@@ -465,20 +471,15 @@ class IdRegistry:
                 idx = np.flatnonzero(keys.ts_us >= threshold)
                 inserted = 0
                 if len(idx):
-                    payload = encode_copy(idx.astype(np.int32), keys.ts_us[idx], keys.src[idx])
-                    cur.copy_expert(q.COPY_BATCH, io.BytesIO(payload))
-                    cur.execute(q.insert_batch(ref), {"token": token.value, "threshold": threshold})
-                    inserted = cur.rowcount
-                    out[idx] = Outcome.WON
-                    if inserted < len(idx):
-                        cur.execute(q.prior_rows(ref))
-                        prior = cur.fetchall()
-                        if len(prior) != len(idx) - inserted:
-                            raise RegistryInvariantError(
-                                f"shard {ref}: {len(idx)} eligible, {inserted} inserted, {len(prior)} found before"
-                            )
-                        for i, tok in prior:
-                            out[i] = Outcome.WON_AGAIN if tok == token.value else Outcome.LOST
+                    fast = None
+                    if self.options.fast_path and not self._conflicted.get(ref, False):
+                        fast = self._copy_all_new(cur, ref, keys, idx, token, threshold)
+                    if fast is not None:
+                        inserted = fast
+                        out[idx] = Outcome.WON
+                    else:
+                        inserted = self._insert_conditionally(cur, ref, keys, idx, token, threshold, out)
+                    self._conflicted[ref] = inserted < len(idx)
             conn.commit()
             return out, inserted
 
@@ -486,6 +487,54 @@ class IdRegistry:
         return out, ShardStats(
             ref, self.layout().server_of(ref), len(keys), inserted, attempts, time.perf_counter() - t0, made
         )
+
+    def _copy_all_new(
+        self, cur: Any, ref: ShardRef, keys: EventKeys, idx: np.ndarray, token: Token, threshold: int
+    ) -> int | None:
+        """Fast path: COPY the eligible ids straight into the shard under a savepoint. Returns the rows inserted,
+        or None if some id was already there (the savepoint is rolled back and released, leaving the transaction
+        as it was before)."""
+        tokens = np.full(len(idx), token.value, dtype=np.int64)
+        payload = encode_copy(keys.ts_us[idx], keys.src[idx], tokens)
+        cur.execute("SAVEPOINT photon_fast")
+        try:
+            cur.copy_expert(q.copy_into(ref, threshold), io.BytesIO(payload))
+        except psycopg2.errors.UniqueViolation:
+            cur.execute("ROLLBACK TO SAVEPOINT photon_fast")
+            cur.execute("RELEASE SAVEPOINT photon_fast")
+            return None
+        copied = int(cur.rowcount)
+        cur.execute("RELEASE SAVEPOINT photon_fast")
+        if copied != len(idx):
+            raise RegistryInvariantError(f"shard {ref}: {len(idx)} eligible ids, {copied} copied")
+        return copied
+
+    def _insert_conditionally(
+        self,
+        cur: Any,
+        ref: ShardRef,
+        keys: EventKeys,
+        idx: np.ndarray,
+        token: Token,
+        threshold: int,
+        out: np.ndarray,
+    ) -> int:
+        """Conditional path: binary COPY into the temp table, then the conditional INSERT; fills ``out`` for the
+        eligible ids."""
+        payload = encode_copy(idx.astype(np.int32), keys.ts_us[idx], keys.src[idx])
+        cur.copy_expert(q.COPY_BATCH, io.BytesIO(payload))
+        cur.execute(q.conditional_insert(ref), {"token": token.value, "threshold": threshold})
+        rows = cur.fetchall()
+        inserted = int(rows[0][1])
+        prior = rows[1:]
+        if inserted + len(prior) != len(idx):
+            raise RegistryInvariantError(
+                f"shard {ref}: {len(idx)} eligible, {inserted} inserted, {len(prior)} found before"
+            )
+        out[idx] = Outcome.WON
+        for i, tok in prior:
+            out[i] = Outcome.WON_AGAIN if tok == token.value else Outcome.LOST
+        return inserted
 
     def _lookup_shard(self, ref: ShardRef, keys: EventKeys) -> tuple[np.ndarray, np.ndarray, ShardStats]:
         t0 = time.perf_counter()

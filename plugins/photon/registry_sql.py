@@ -40,23 +40,29 @@ def _table(ref: ShardRef) -> sql.Composed:
     return sql.SQL("photon.{}").format(sql.Identifier(name))
 
 
-def insert_batch(ref: ShardRef) -> sql.Composed:
-    # The WHERE repeats the client's own filter: nothing below the locked threshold can be inserted.
-    return sql.SQL(
-        "INSERT INTO {} (ts_us, src, token) SELECT ts_us, src, %(token)s FROM photon_batch"
-        " WHERE ts_us >= %(threshold)s ON CONFLICT DO NOTHING"
-    ).format(_table(ref))
+def copy_into(ref: ShardRef, threshold: int) -> sql.Composed:
+    """The fast path: bulk COPY straight into the shard. It succeeds only if every id is new (one id already there
+    fails it with a unique violation), and its WHERE repeats the client's filter: nothing below the locked threshold.
+    COPY takes no bind parameters: the threshold (an int read from the database) goes in as a quoted literal."""
+    return sql.SQL("COPY {} (ts_us, src, token) FROM STDIN WITH (FORMAT binary) WHERE ts_us >= {}").format(
+        _table(ref), sql.Literal(int(threshold))
+    )
 
 
-def prior_rows(ref: ShardRef) -> sql.Composed:
-    """Rows of the batch that existed before this transaction, with their tokens. The LATERAL ... OFFSET 0 keeps
-    the plan to one index probe per batch row (the temp table has no statistics); rows this transaction inserted
-    are recognised by their xmin."""
+def conditional_insert(ref: ShardRef) -> sql.Composed:
+    """The conditional path, one statement: every CTE sees the same snapshot, so ``prior`` holds exactly the rows
+    that were there before (with their tokens) and ``ins`` the rows this statement inserted. At SERIALIZABLE, a
+    conflicting row committed after our snapshot makes ON CONFLICT fail with 40001 instead of being skipped unseen.
+    The first result row is (-1, inserted count); the others are (batch position, token) of the prior rows. The
+    LATERAL ... OFFSET 0 keeps one index probe per batch row (the temp table has no statistics)."""
     return sql.SQL(
-        "SELECT b.i, r.token FROM photon_batch b CROSS JOIN LATERAL ("
-        " SELECT x.token FROM {} x WHERE x.ts_us = b.ts_us AND x.src = b.src"
-        " AND NOT (x.xmin = pg_current_xact_id()::xid) OFFSET 0) r"
-    ).format(_table(ref))
+        "WITH prior AS MATERIALIZED ("
+        " SELECT b.i, r.token FROM photon_batch b CROSS JOIN LATERAL ("
+        "  SELECT x.token FROM {t} x WHERE x.ts_us = b.ts_us AND x.src = b.src OFFSET 0) r),"
+        " ins AS (INSERT INTO {t} (ts_us, src, token) SELECT ts_us, src, %(token)s FROM photon_batch"
+        "  WHERE ts_us >= %(threshold)s ON CONFLICT DO NOTHING RETURNING 1)"
+        " SELECT -1, (SELECT count(*) FROM ins) UNION ALL SELECT i, token FROM prior"
+    ).format(t=_table(ref))
 
 
 def lookup_rows(ref: ShardRef) -> sql.Composed:

@@ -28,13 +28,14 @@ def race_worker(
     positions: np.ndarray,
     batch: int,
     seed: int,
+    fast_path: bool,
     start: Any,
     out: Any,
 ) -> None:
     """Register the ids at ``positions`` in shuffled batches; report (name, owner_id, positions, outcomes)."""
     keys = keys_from(ts, src)
     order = np.random.default_rng(seed).permutation(positions)
-    with IdRegistry(servers, RegistryOptions(max_attempts=50, backoff_max_s=0.5)) as reg:
+    with IdRegistry(servers, RegistryOptions(max_attempts=50, backoff_max_s=0.5, fast_path=fast_path)) as reg:
         owner = create_owner(servers["main"], name)
         start.wait()
         got_pos, got_out = [], []

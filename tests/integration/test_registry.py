@@ -34,9 +34,10 @@ def servers(make_db: MakeDb) -> dict[str, str]:
     return {"main": dsn}
 
 
-@pytest.fixture
-def registry(servers: dict[str, str]) -> Iterator[IdRegistry]:
-    with IdRegistry(servers) as reg:
+@pytest.fixture(params=[True, False], ids=["fast-path", "conditional-only"])
+def registry(servers: dict[str, str], request: pytest.FixtureRequest) -> Iterator[IdRegistry]:
+    """Both write paths must give the same answers."""
+    with IdRegistry(servers, RegistryOptions(fast_path=request.param)) as reg:
         yield reg
 
 
@@ -118,7 +119,7 @@ def test_processes_racing_agree_on_exactly_one_winner(servers: dict[str, str]) -
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=race_worker, args=(servers, f"w{i}", ts, src, subsets[i], 2_000, i, start, out))
+        ctx.Process(target=race_worker, args=(servers, f"w{i}", ts, src, subsets[i], 2_000, i, i % 2 == 0, start, out))
         for i in range(workers)
     ]
     for p in procs:
