@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Annotated
 
 import typer
@@ -110,4 +111,14 @@ def demo(
 
 
 def main() -> None:
-    app()
+    from photon.ids import InvalidEventIdError
+    from photon.migrations import MigrationError
+    from photon.pg import RegistryUnavailableError
+    from photon.registry import RegistryError
+
+    try:
+        app()
+    except (RegistryError, RegistryUnavailableError, MigrationError, InvalidEventIdError, ValueError) as exc:
+        # Known failures get one clear line, not a traceback; -v logging still shows details.
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        sys.exit(2)

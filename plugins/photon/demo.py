@@ -69,7 +69,7 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
     for p in procs:
         p.join()
     table = Table(title=f"two writers racing over the same {num_ids:,} ids ({batch:,} per batch)")
-    for col in ("pipeline", "won", "lost", "won again", "too old", "retries", "seconds", "ids/s"):
+    for col in ("dc", "won", "lost", "again", "too old", "retries", "s", "ids/s"):
         table.add_column(col, justify="right")
     owners = {}
     for pipeline, owner_id, won_pos, counts, retries, seconds in sorted(results):

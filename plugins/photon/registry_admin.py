@@ -22,6 +22,14 @@ class InitReport:
     existing_config: list[ShardConfig] = field(default_factory=list)
 
 
+def _check_placement(servers: Mapping[str, str], placement: Sequence[str] | None) -> list[str]:
+    placement = list(placement or [MAIN])
+    missing = [s for s in placement if s not in servers]
+    if missing:
+        raise RegistryError(f"no DSN for server(s) {missing}: name them in PHOTON_REGISTRY_SERVERS")
+    return placement
+
+
 def _ordered(servers: Mapping[str, str]) -> list[str]:
     return [*sorted(s for s in servers if s != MAIN), MAIN]
 
@@ -35,6 +43,7 @@ def init_registry(
 ) -> InitReport:
     """Apply migrations on every server; create the first shard configuration if there is none. Idempotent."""
     _check_server_names(servers)
+    _check_placement(servers, placement)
     report = InitReport()
     for name in _ordered(servers):
         report.migrations[name] = apply_migrations(servers[name])
@@ -69,10 +78,7 @@ def add_shard_config(
     ``placement[i % len(placement)]``. Creates the shard tables on their servers and records the configuration
     and shard map on every server. (The acknowledged, future-dated reshard procedure is built on this.)"""
     _check_server_names(servers)
-    placement = list(placement or [MAIN])
-    missing = [s for s in placement if s not in servers]
-    if missing:
-        raise RegistryError(f"no DSN for server(s) {missing}: set PHOTON_REGISTRY_SERVERS")
+    placement = _check_placement(servers, placement)
     if not 1 <= num_shards <= 4096:
         raise ValueError("num_shards must be in 1..4096")
     with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:

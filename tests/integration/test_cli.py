@@ -1,0 +1,43 @@
+"""The `photon` command line against a real PostgreSQL named by PHOTON_REGISTRY_DSN."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from typer.testing import CliRunner
+
+from photon.cli import app
+
+pytestmark = pytest.mark.integration
+
+
+def test_registry_init_is_idempotent_and_status_reports_it(
+    make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn = make_db()
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", dsn)
+    runner = CliRunner()
+    first = runner.invoke(app, ["registry", "init", "--shards", "3", "--partition-minutes", "30"])
+    assert first.exit_code == 0, first.output
+    assert "applied 0001_registry.sql" in first.output
+    assert "created shard configuration v1: 3 shards" in first.output
+    again = runner.invoke(app, ["registry", "init", "--shards", "5"])
+    assert again.exit_code == 0, again.output
+    assert "schema up to date" in again.output and "unchanged" in again.output
+    status = runner.invoke(app, ["registry", "status", "--json"])
+    assert status.exit_code == 0, status.output
+    st = json.loads(status.output)
+    assert st["partition_width_us"] == 30 * 60_000_000
+    assert [c["num_shards"] for c in st["configs"]] == [3]
+    assert [s["table"] for s in st["configs"][0]["shards"]] == ["ids_c1_s0", "ids_c1_s1", "ids_c1_s2"]
+    human = runner.invoke(app, ["registry", "status"])
+    assert human.exit_code == 0 and "ids_c1_s2" in human.output
+
+
+def test_unknown_placement_server_is_a_clear_error(make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", make_db())
+    result = CliRunner().invoke(app, ["registry", "init", "--place", "main,pg9"])
+    assert result.exit_code != 0
+    assert "pg9" in str(result.exception)
