@@ -41,3 +41,13 @@ def make_db(pg_admin_dsn: str) -> Iterator[Callable[[], str]]:
     yield make
     for name in made:
         drop_database(pg_admin_dsn, name)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One local SparkSession for the whole test run (a session takes 10-20 s to start)."""
+    from photon.spark_session import get_spark
+
+    session = get_spark("photon-tests", master="local[2]", shuffle_partitions=4)
+    yield session
+    session.stop()
