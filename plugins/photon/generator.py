@@ -1,0 +1,691 @@
+"""`photon generate`: realistic query and click logs for several data centers, with a ground-truth manifest.
+
+The world is simulated once, in chunks of log time: query servers log queries, click servers log clicks some
+heavy-tailed delay after their query, each server on its own skewed clock, rotating its file every `rotate_s` of
+its clock. Every data center holds a replica of the same files; a file reaches a replica when it closes plus that
+replica's shipping lag (heavy-tailed, larger for queries than clicks, so a click often arrives before its query),
+later still during an outage of that replica (it catches up when the outage ends). Some queries are never logged,
+some lines are sent twice (same file or the next one), some lines are malformed in every way EVENTS.md lists.
+
+Lines are built column-wise with Arrow's string kernels, so no Python object is made per event. In historical mode
+every file is written at once; in live mode (real timestamps) each replica's file is materialised at its arrival
+time: first as ``.inprogress`` while it is open, renamed to ``.jsonl`` once it has arrived whole.
+
+The manifest (``<logs>/_manifest/``) holds, for every click, the outcome it must have, and per file the number of
+malformed lines. See ``expectation()`` for the rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+US = 1_000_000
+MANIFEST_DIR = "_manifest"
+KINDS = ("queries", "clicks")
+MALFORMED_KINDS = ("truncated", "wrong_type", "missing_id", "bad_id", "invalid_utf8", "not_an_object", "huge")
+_WORDS = tuple(
+    "cheap flights hotel berlin paris london shoes running red dress laptop phone case pizza near me weather "  # noqa: SIM905
+    "tomorrow car rental insurance jobs remote python tutorial café crème brûlée 東京 ホテル münchen zürich "
+    "garden chair bike repair coffee beans tea vegan recipes yoga mat headphones wireless tv sale".split()
+)
+_COUNTRIES = ("DE", "FR", "GB", "US", "JP", "CH", "NL", "ES", "IT", "PL")
+
+
+@dataclass(frozen=True)
+class Outage:
+    """A replica that stops receiving files from `start_s` (after the start of the logs) for `duration_s`."""
+
+    dc: str
+    start_s: float
+    duration_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> Outage:
+        try:
+            dc, start, duration = text.split(":")
+            return cls(dc, float(start), float(duration))
+        except ValueError:
+            raise ValueError(f"outage {text!r}: expected DC:START_S:DURATION_S") from None
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    dcs: tuple[str, ...] = ("dc-a", "dc-b")
+    seed: int = 1
+    events_per_s: float = 2_000.0  # queries + clicks, in log time
+    query_servers: int = 8
+    click_servers: int = 4
+    ads_per_query: float = 3.0  # mean of a Poisson, clipped to 1..8
+    clicks_per_query: float = 0.1  # mean clicks per query (click-through rate)
+    click_delay_median_s: float = 4.0  # most clicks come seconds after their query...
+    click_delay_sigma: float = 1.0
+    late_click_fraction: float = 0.03  # ...some after minutes or hours (log-uniform up to the maximum)
+    late_click_max_s: float = 3_600.0
+    query_lag_median_s: float = 2.0  # shipping lag of a query file to a replica
+    query_lag_sigma: float = 0.8
+    late_query_file_fraction: float = 0.03  # query files shipped minutes late: the delayed primary
+    late_query_lag_max_s: float = 180.0
+    click_lag_median_s: float = 0.5
+    click_lag_sigma: float = 0.5
+    dc_lag_factor: dict[str, float] = field(default_factory=lambda: {"dc-b": 1.5})
+    outages: tuple[Outage, ...] = ()
+    lost_query_fraction: float = 0.01  # queries never logged: their clicks can never join
+    duplicate_fraction: float = 0.005  # lines sent twice, in the same file or the next one
+    malformed_fraction: float = 0.001  # of all lines
+    malformed_weights: dict[str, float] = field(
+        default_factory=lambda: {
+            "truncated": 1.0,
+            "wrong_type": 1.0,
+            "missing_id": 1.0,
+            "bad_id": 1.0,
+            "invalid_utf8": 1.0,
+            "not_an_object": 0.5,
+            "huge": 0.05,
+        }
+    )
+    huge_line_bytes: int = 2_000_000
+    max_clock_skew_s: float = 10.0  # each server's clock is off by at most half of this
+    max_join_delay_s: float = 120.0  # for the manifest: a click must join if its query arrived within this
+    boundary_margin_s: float = 5.0  # arrivals this close to the deadline may go either way
+    rotate_s: float = 1.0  # a server closes its file at least this often (log time)
+    chunk_s: float = 10.0  # simulation chunk (log time); a multiple of rotate_s
+
+    def __post_init__(self) -> None:
+        if self.events_per_s <= 0 or self.query_servers < 1 or self.click_servers < 1:
+            raise ValueError("events_per_s, query_servers and click_servers must be positive")
+        if (
+            not 0 < self.rotate_s <= self.chunk_s
+            or abs(self.chunk_s / self.rotate_s - round(self.chunk_s / self.rotate_s)) > 1e-9
+        ):
+            raise ValueError("rotate_s must divide chunk_s")
+        for name in (
+            "lost_query_fraction",
+            "duplicate_fraction",
+            "malformed_fraction",
+            "late_click_fraction",
+            "late_query_file_fraction",
+        ):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1)")
+        unknown = set(self.malformed_weights) - set(MALFORMED_KINDS)
+        if unknown:
+            raise ValueError(f"unknown malformed kinds {sorted(unknown)}; known: {MALFORMED_KINDS}")
+        for o in self.outages:
+            if o.dc not in self.dcs:
+                raise ValueError(f"outage of unknown data center {o.dc!r}")
+
+    def with_overrides(self, pairs: list[str]) -> GeneratorSettings:
+        """Apply ``key=value`` overrides (the CLI's ``--set``), typed by the field's default."""
+        types = {f.name: f for f in fields(self)}
+        changes: dict[str, Any] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in types:
+                raise ValueError(f"--set {pair!r}: expected KEY=VALUE with KEY one of {sorted(types)}")
+            current = getattr(self, key)
+            if isinstance(current, bool):
+                changes[key] = value.lower() in ("1", "true", "yes")
+            elif isinstance(current, int | float) and not isinstance(current, bool):
+                changes[key] = type(current)(value)
+            elif isinstance(current, dict | tuple):
+                changes[key] = json.loads(value)
+            else:
+                changes[key] = value
+        return replace(self, **changes)
+
+
+@dataclass
+class Servers:
+    ip: np.ndarray  # uint32 per server
+    pid: np.ndarray  # int64 per server
+    skew_us: np.ndarray  # int64 per server
+    prefix: pa.Array  # "<ipv4>-<pid>-" per server
+
+    @classmethod
+    def make(cls, rng: np.random.Generator, n: int, net: int, max_skew_s: float) -> Servers:
+        ip = (10 << 24) | (net << 16) | rng.choice(np.arange(1, 65_000), n, replace=False)
+        pid = rng.integers(1_000, 60_000, n)
+        skew = rng.uniform(-max_skew_s / 2, max_skew_s / 2, n) * US
+        prefix = [f"{i >> 24}.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}-{p}-" for i, p in zip(ip, pid, strict=True)]
+        return cls(ip.astype(np.uint32), pid.astype(np.int64), skew.astype(np.int64), pa.array(prefix, pa.string()))
+
+    def name(self, server: int, seq: int) -> str:
+        i = int(self.ip[server])
+        return f"{i >> 24}.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}-{int(self.pid[server])}-{seq}.jsonl"
+
+
+def _join_lists(offsets: np.ndarray, values: pa.Array, sep: str) -> pa.Array:
+    """Join each list (``values[offsets[i]:offsets[i + 1]]``) into one string with ``sep``."""
+    lists = pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), values.cast(pa.large_string()))
+    return pc.binary_join(lists, pa.scalar(sep, pa.large_string()))
+
+
+def _concat(*parts: Any) -> pa.Array:
+    """Element-wise concatenation of arrays and literal strings (large strings: a chunk can exceed 2 GB)."""
+    cast = [
+        p.cast(pa.large_string()) if isinstance(p, pa.Array | pa.ChunkedArray) else pa.scalar(p, pa.large_string())
+        for p in parts
+    ]
+    return pc.binary_join_element_wise(*cast, pa.scalar("", pa.large_string()))
+
+
+def _unique_increasing(server: np.ndarray, ts: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Per server, make timestamps strictly increasing (a process never logs two events at one ts_us), continuing
+    after ``last`` (updated in place). Rows must be sorted by (server, ts).
+
+    out[i] = max(ts[i], out[i-1] + 1) is y[i] = max(ts[i] - i, y[i-1]) with y = out - i: a running maximum, run per
+    server group by lifting each group far above the previous one."""
+    n = len(ts)
+    if n == 0:
+        return ts
+    i = np.arange(n, dtype=np.int64)
+    first = np.r_[True, server[1:] != server[:-1]]
+    v = ts - i
+    v = np.where(first, np.maximum(v, last[server] + 1 - i), v)
+    lift = (np.cumsum(first) - 1).astype(np.int64) << np.int64(40)
+    out = np.maximum.accumulate(v + lift) - lift + i
+    ends = np.r_[server[1:] != server[:-1], True]
+    last[server[ends]] = out[ends]
+    return out
+
+
+@dataclass
+class Chunk:
+    """Everything logged in one chunk of log time: lines ready to write, and the manifest rows."""
+
+    # (kind, name, line_start, line_end, malformed, close_us, server, seq)
+    files: list[tuple[str, str, int, int, int, int, int, int]]
+    lines: pa.LargeBinaryArray  # every line of every file, file after file, each ending in "\n"
+    clicks: pa.Table  # manifest rows of the clicks logged in this chunk
+
+
+class World:
+    """The deterministic simulation: ``chunks(start_us, end_us)`` yields one Chunk per ``chunk_s`` of log time."""
+
+    def __init__(self, settings: GeneratorSettings):
+        self.s = settings
+        self.rng = np.random.default_rng(settings.seed)
+        self.qs = Servers.make(self.rng, settings.query_servers, 1, settings.max_clock_skew_s)
+        self.cs = Servers.make(self.rng, settings.click_servers, 9, settings.max_clock_skew_s)
+        self.q_last = np.full(settings.query_servers, -1, dtype=np.int64)
+        self.c_last = np.full(settings.click_servers, -1, dtype=np.int64)
+        self.pending: pa.Table | None = None  # clicks whose log time falls in a later chunk
+        catalogue = 100_000
+        self.ad_ids = pa.array([f"a{i}" for i in range(catalogue)], pa.large_string())
+        self.ad_json = _concat(
+            '{"ad_id": "',
+            self.ad_ids,
+            '", "advertiser_id": "adv',
+            pc.cast(pa.array(self.rng.integers(1, 500, catalogue)), pa.string()),
+            '", "bid_micros": ',
+            pc.cast(pa.array(self.rng.integers(1, 2_000, catalogue) * 1_000), pa.string()),
+            "}",
+        )
+        self.malformed_counter = 0
+        self.queries_logged = 0
+        self.duplicate_lines = 0
+        self.malformed_by_kind: dict[str, int] = {}
+
+    # -- queries ---------------------------------------------------------------------------------------------
+    def _queries(self, t0: int, t1: int) -> tuple[pa.Table, pa.Table]:
+        """Queries whose true time is in [t0, t1), and their clicks (any later time)."""
+        s, rng = self.s, self.rng
+        qps = s.events_per_s / (1 + s.clicks_per_query)
+        n = int(rng.poisson(qps * (t1 - t0) / US))
+        true = np.sort(rng.integers(t0, t1, n))
+        server = rng.integers(0, s.query_servers, n)
+        order = np.lexsort((true, server))
+        true, server = true[order], server[order]
+        ts = _unique_increasing(server, true + self.qs.skew_us[server], self.q_last)
+        qseq = np.clip(ts - self.qs.skew_us[server], t0, t1 - 1) // int(s.rotate_s * US)  # the query's file
+        logged = rng.random(n) >= s.lost_query_fraction
+        n_ads = np.clip(rng.poisson(s.ads_per_query, n), 1, 8)
+        ad_offsets = np.r_[0, np.cumsum(n_ads)].astype(np.int32)
+        total_ads = int(ad_offsets[-1])
+        # Ads come from a catalogue (fixed advertiser and bid per ad); a query shows n_ads consecutive catalogue
+        # entries from a random start, so no ad appears twice in one query.
+        first_ad = rng.integers(0, len(self.ad_ids), n)
+        within = np.arange(total_ads) - np.repeat(ad_offsets[:-1], n_ads)
+        ad_idx = pa.array((np.repeat(first_ad, n_ads) + within) % len(self.ad_ids))
+        ad_id = pc.take(self.ad_ids, ad_idx)
+        ts_str = pc.cast(pa.array(ts), pa.string())
+        qid = _concat(pc.take(self.qs.prefix, pa.array(server)), ts_str)
+        # Clicks: each ad clicked with probability clicks_per_query / ads_per_query.
+        p_click = min(1.0, s.clicks_per_query / max(s.ads_per_query, 1e-9))
+        clicked = np.flatnonzero(rng.random(total_ads) < p_click)
+        owner = np.searchsorted(ad_offsets, clicked, side="right") - 1
+        delay = rng.lognormal(np.log(s.click_delay_median_s * US), s.click_delay_sigma, len(clicked))
+        late = rng.random(len(clicked)) < s.late_click_fraction
+        delay[late] = np.exp(rng.uniform(np.log(60 * US), np.log(s.late_click_max_s * US), int(late.sum())))
+        clicks = pa.table(
+            {
+                "true_us": true[owner] + delay.astype(np.int64),
+                "query_id": pc.take(qid, pa.array(owner)),
+                "query_ts_us": ts[owner],
+                "ad_id": pc.take(ad_id, pa.array(clicked)),
+                "query_logged": logged[owner],
+                "query_server": server[owner],
+                "query_seq": qseq[owner],
+            }
+        )
+        words = pa.array(_WORDS, pa.string())
+        n_words = rng.integers(1, 5, n)
+        w_offsets = np.r_[0, np.cumsum(n_words)]
+        text = _join_lists(w_offsets, pc.take(words, pa.array(rng.integers(0, len(_WORDS), int(w_offsets[-1])))), " ")
+        ads = _join_lists(ad_offsets, pc.take(self.ad_json, ad_idx), ", ")
+        line = _concat(
+            '{"query_id": "',
+            qid,
+            '", "ts_us": ',
+            ts_str,
+            ', "user_id": "u',
+            pc.cast(pa.array(rng.integers(1, 1_000_000, n)), pa.string()),
+            '", "query_text": "',
+            text,
+            '", "country": "',
+            pc.take(pa.array(_COUNTRIES), pa.array(rng.integers(0, len(_COUNTRIES), n))),
+            '", "ads": [',
+            ads,
+            "]}\n",
+        )
+        queries = pa.table({"server": server, "ts_us": ts, "line": line.cast(pa.large_binary())}).filter(
+            pa.array(logged)
+        )
+        self.queries_logged += int(logged.sum())
+        return queries, clicks
+
+    # -- clicks ----------------------------------------------------------------------------------------------
+    def _clicks_due(self, new: pa.Table, t1: int) -> pa.Table:
+        """Clicks whose true time is before t1 (this chunk); the rest wait in ``pending``."""
+        allc = new if self.pending is None else pa.concat_tables([self.pending, new])
+        due = pc.less(allc["true_us"], t1)
+        self.pending = allc.filter(pc.invert(due))
+        return allc.filter(due)
+
+    def _click_lines(self, clicks: pa.Table) -> tuple[pa.Table, pa.Table]:
+        rng, n = self.rng, clicks.num_rows
+        true = clicks["true_us"].to_numpy()
+        server = rng.integers(0, self.s.click_servers, n)
+        order = np.lexsort((true, server))
+        clicks = clicks.take(pa.array(order))
+        server, true = server[order], true[order]
+        ts = _unique_increasing(server, true + self.cs.skew_us[server], self.c_last)
+        ts_str = pc.cast(pa.array(ts), pa.string())
+        cid = _concat(pc.take(self.cs.prefix, pa.array(server)), ts_str)
+        line = _concat(
+            '{"click_id": "',
+            cid,
+            '", "ts_us": ',
+            ts_str,
+            ', "query_id": "',
+            clicks["query_id"],
+            '", "ad_id": "',
+            clicks["ad_id"],
+            '"}\n',
+        )
+        lines = pa.table({"server": server, "ts_us": ts, "line": line.cast(pa.large_binary())})
+        manifest = pa.table(
+            {
+                "click_id": cid,
+                "click_ts_us": ts,
+                "query_id": clicks["query_id"],
+                "query_ts_us": clicks["query_ts_us"],
+                "ad_id": clicks["ad_id"],
+                "query_logged": clicks["query_logged"],
+                "query_server": clicks["query_server"],
+                "query_seq": clicks["query_seq"],
+            }
+        )
+        return lines, manifest
+
+    # -- malformed -------------------------------------------------------------------------------------------
+    def _malformed(self, kind: str, sample: bytes) -> bytes:
+        rng = self.rng
+        self.malformed_counter += 1
+        self.malformed_by_kind[kind] = self.malformed_by_kind.get(kind, 0) + 1
+        fresh = f"10.250.0.1-{self.malformed_counter}-{1_600_000_000_000_000 + self.malformed_counter}"
+        if kind == "truncated":
+            return sample[: max(1, int(len(sample) * rng.uniform(0.1, 0.9)))].rstrip(b"\n") + b"\n"
+        if kind == "wrong_type":
+            return b'{"click_id": "' + fresh.encode() + b'", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"]}\n'
+        if kind == "missing_id":
+            return b'{"ts_us": 1763737200000000, "query_id": "10.1.2.3-4711-1763737200000000", "ad_id": "a1"}\n'
+        if kind == "bad_id":
+            return b'{"click_id": "not-an-id", "ts_us": 1763737200000000, "query_id": "1.2.3", "ad_id": "a1"}\n'
+        if kind == "invalid_utf8":
+            cut = max(1, len(sample) // 2)
+            return sample[:cut] + b"\xff\xfe\xc3(" + sample[cut:]
+        if kind == "not_an_object":
+            return b'["' + fresh.encode() + b'", 1763737200000000]\n'
+        pad = b"x" * self.s.huge_line_bytes
+        return b'{"click_id": "' + fresh.encode() + b'", "padding": "' + pad + b'"}\n'
+
+    # -- files -----------------------------------------------------------------------------------------------
+    def _files(self, kind: str, servers: Servers, rows: pa.Table, t0: int, t1: int) -> tuple[list[Any], pa.Array]:
+        """Cut one kind's lines into files: one per server and rotation window (absolute, by true time, so close
+        times are exact and no file spans two chunks), with duplicates and malformed lines mixed in."""
+        s, rng = self.s, self.rng
+        rot = int(s.rotate_s * US)
+        server = rows["server"].to_numpy()
+        ts = rows["ts_us"].to_numpy()
+        true = np.clip(ts - servers.skew_us[server], t0, t1 - 1)
+        seq = true // rot
+        last_seq = (t1 - 1) // rot
+        line = rows["line"].combine_chunks()
+        n = len(ts)
+        # Duplicates: the same line again later in the same file, or early in the server's next file.
+        dup = np.flatnonzero(rng.random(n) < s.duplicate_fraction)
+        to_next = (rng.random(len(dup)) < 0.5) & (seq[dup] < last_seq)
+        d_seq = seq[dup] + to_next
+        d_key = np.where(to_next, ts[dup] - rot, ts[dup] + rng.integers(1, 1000, len(dup)))
+        # Malformed lines at random places.
+        n_bad = int(rng.binomial(n + len(dup), s.malformed_fraction)) if n else 0
+        weights = np.array([s.malformed_weights.get(k, 0.0) for k in MALFORMED_KINDS], dtype=np.float64)
+        bad_kinds = rng.choice(len(MALFORMED_KINDS), n_bad, p=weights / weights.sum()) if n_bad else np.empty(0, int)
+        bad_at = rng.integers(0, n, n_bad) if n_bad else np.empty(0, np.int64)
+        bad_lines = [
+            self._malformed(MALFORMED_KINDS[k], line[int(i)].as_py()) for k, i in zip(bad_kinds, bad_at, strict=True)
+        ]
+        all_server = np.r_[server, server[dup], server[bad_at]]
+        all_seq = np.r_[seq, d_seq, seq[bad_at]]
+        all_key = np.r_[ts, d_key, ts[bad_at] + rng.integers(1, 1000, n_bad)]
+        is_bad = np.r_[np.zeros(n + len(dup), bool), np.ones(n_bad, bool)]
+        lines = pa.concat_arrays([line, line.take(pa.array(dup, pa.int64())), pa.array(bad_lines, pa.large_binary())])
+        order = np.lexsort((all_key, all_seq, all_server))
+        lines = lines.take(pa.array(order))
+        all_server, all_seq, is_bad = all_server[order], all_seq[order], is_bad[order]
+        cut = np.flatnonzero(np.r_[True, (all_server[1:] != all_server[:-1]) | (all_seq[1:] != all_seq[:-1]), True])
+        bad_cum = np.r_[0, np.cumsum(is_bad)]
+        files = []
+        for a, b in itertools.pairwise(cut):
+            srv, sq = int(all_server[a]), int(all_seq[a])
+            files.append(
+                (kind, servers.name(srv, sq), int(a), int(b), int(bad_cum[b] - bad_cum[a]), (sq + 1) * rot, srv, sq)
+            )
+        self.duplicate_lines += len(dup)
+        return files, lines
+
+    def chunks(self, start_us: int, end_us: int) -> Iterator[Chunk]:
+        step = int(self.s.chunk_s * US)
+        for t0 in range(start_us, end_us, step):
+            t1 = min(t0 + step, end_us)
+            queries, new_clicks = self._queries(t0, t1)
+            due = self._clicks_due(new_clicks, t1)
+            click_rows, click_manifest = self._click_lines(due)
+            q_files, q_lines = self._files("queries", self.qs, queries, t0, t1)
+            c_files, c_lines = self._files("clicks", self.cs, click_rows, t0, t1)
+            offset = len(q_lines)
+            c_files = [(f[0], f[1], f[2] + offset, f[3] + offset, *f[4:]) for f in c_files]
+            yield Chunk(q_files + c_files, pa.concat_arrays([q_lines, c_lines]), click_manifest)
+
+
+# -- arrival, expectations, writing ---------------------------------------------------------------------------
+
+
+class Arrivals:
+    """When each file reaches each replica: close time + shipping lag, pushed past any outage of that replica."""
+
+    def __init__(self, settings: GeneratorSettings, start_us: int, live: bool):
+        self.s = settings
+        self.start_us = start_us
+        self.live = live
+        self.rng = np.random.default_rng([settings.seed, 7])  # its own stream: the world's draws stay the same
+
+    def of(self, kind: str, close_us: int) -> dict[str, int]:
+        if not self.live:  # historical: every file is on disk before anything reads it
+            return {dc: close_us for dc in self.s.dcs}
+        s, rng, out = self.s, self.rng, {}
+        for dc in s.dcs:
+            factor = s.dc_lag_factor.get(dc, 1.0)
+            if kind == "queries":
+                lag = rng.lognormal(np.log(s.query_lag_median_s), s.query_lag_sigma)
+                if rng.random() < s.late_query_file_fraction:
+                    lag += rng.uniform(s.late_query_lag_max_s / 4, s.late_query_lag_max_s)
+            else:
+                lag = rng.lognormal(np.log(s.click_lag_median_s), s.click_lag_sigma)
+            arrival = close_us + int(lag * factor * US)
+            for o in s.outages:
+                begin = self.start_us + int(o.start_s * US)
+                end = begin + int(o.duration_s * US)
+                if o.dc == dc and begin <= arrival < end:
+                    arrival = end + int(rng.uniform(0, 2) * US)  # the replica catches up when it comes back
+            out[dc] = arrival
+        return out
+
+
+def expectation(
+    click_ts_us: np.ndarray, first_arrival_us: np.ndarray, logged: np.ndarray, max_join_delay_s: float, margin_s: float
+) -> np.ndarray:
+    """The outcome a click must have. ``join`` if its query reached some replica at least ``margin_s`` before the
+    click's deadline (click time + maximum join delay); ``unjoinable`` if the query was never logged or reached
+    every replica at least ``margin_s`` after it; ``either`` in between (retry timing and clock skew decide)."""
+    deadline = click_ts_us + int(max_join_delay_s * US)
+    margin = int(margin_s * US)
+    out = np.full(len(click_ts_us), "either", dtype=object)
+    out[logged & (first_arrival_us <= deadline - margin)] = "join"
+    out[~logged | (first_arrival_us >= deadline + margin)] = "unjoinable"
+    return out
+
+
+def file_bytes(lines: pa.LargeBinaryArray, a: int, b: int) -> memoryview:
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + len(lines) + 1]
+    return memoryview(lines.buffers()[2])[int(offsets[a]) : int(offsets[b])]
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``<name>.jsonl.inprogress`` and rename it: readers only ever see whole closed files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".inprogress")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".inprogress")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        tmp.write_bytes(src.read_bytes())
+    os.replace(tmp, dst)
+
+
+_CLICK_SCHEMA = pa.schema(
+    [
+        ("click_id", pa.string()),
+        ("click_ts_us", pa.int64()),
+        ("query_id", pa.string()),
+        ("query_ts_us", pa.int64()),
+        ("ad_id", pa.string()),
+        ("query_logged", pa.bool_()),
+        ("first_query_arrival_us", pa.int64()),
+        ("expect", pa.string()),
+    ]
+)
+
+
+@dataclass
+class GenerateReport:
+    mode: str
+    start_us: int
+    end_us: int
+    queries: int = 0
+    clicks: int = 0
+    lines: int = 0
+    duplicate_lines: int = 0
+    malformed_lines: int = 0
+    files: int = 0  # per data center
+    bytes: int = 0  # per data center
+    expect: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def events_per_s(self) -> float:
+        return (self.queries + self.clicks) / self.seconds if self.seconds else 0.0
+
+
+def generate(
+    settings: GeneratorSettings,
+    logs: Path,
+    *,
+    start_us: int,
+    end_us: int,
+    live: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> GenerateReport:
+    """Write logs for [start_us, end_us) of log time under ``logs/<dc>/{queries,clicks}/`` and the manifest under
+    ``logs/_manifest/``. Historical mode writes as fast as it can; live mode writes each replica's files at their
+    arrival times (so start_us should be about now) and returns once the last one has arrived."""
+    t_begin = time.perf_counter()
+    rot = int(settings.rotate_s * US)
+    start_us -= start_us % rot
+    world = World(settings)
+    arrivals = Arrivals(settings, start_us, live)
+    report = GenerateReport("live" if live else "historical", start_us, end_us)
+    mdir = logs / MANIFEST_DIR
+    mdir.mkdir(parents=True, exist_ok=True)
+    query_arrival: dict[tuple[int, int], int] = {}  # (query server, seq) -> first arrival over replicas
+    file_rows: list[tuple[str, str, str, int, int, int, int]] = []
+    pending: list[tuple[int, int, int, str, str, str, bytes]] = []  # live: (at, order, open, dc, kind, name, data)
+    expect_counts: dict[str, int] = {}
+    writer = pq.ParquetWriter(mdir / "clicks.parquet", _CLICK_SCHEMA)
+    try:
+        for chunk in world.chunks(start_us, end_us):
+            for kind, name, a, b, bad, close, srv, seq in chunk.files:
+                data = file_bytes(chunk.lines, a, b)
+                arr = arrivals.of(kind, close)
+                if kind == "queries":
+                    query_arrival[(srv, seq)] = min(arr.values())
+                first_copy: Path | None = None
+                for dc, at in arr.items():
+                    file_rows.append((dc, kind, name, b - a, bad, close, at))
+                    if live:
+                        pending.append((at, len(pending), close - rot, dc, kind, name, bytes(data)))
+                    elif first_copy is None:
+                        first_copy = logs / dc / kind / name
+                        write_file(first_copy, data)
+                    else:  # a closed file never changes: the other replicas can share its bytes
+                        link_or_copy(first_copy, logs / dc / kind / name)
+                report.files += 1
+                report.bytes += len(data)
+                report.lines += b - a
+                report.malformed_lines += bad
+            _add_manifest_rows(writer, chunk.clicks, query_arrival, settings, expect_counts)
+            report.clicks += chunk.clicks.num_rows
+            chunk_end = max((f[5] for f in chunk.files), default=start_us)
+            if on_progress:
+                on_progress(min(end_us, chunk_end) - start_us, end_us - start_us)
+            if live:  # the next chunk's first file closes after this one's end: write until then
+                _drain(pending, logs, sleep, until_us=min(end_us, chunk_end))
+        if live:
+            _drain(pending, logs, sleep, until_us=None)
+    finally:
+        writer.close()
+    report.queries = world.queries_logged
+    report.duplicate_lines = world.duplicate_lines
+    report.expect = dict(sorted(expect_counts.items()))
+    columns = ("dc", "kind", "name", "lines", "malformed", "close_us", "arrival_us")
+    pq.write_table(pa.table({c: [r[i] for r in file_rows] for i, c in enumerate(columns)}), mdir / "files.parquet")
+    (mdir / "manifest.json").write_text(
+        json.dumps(
+            {
+                "mode": report.mode,
+                "start_us": start_us,
+                "end_us": end_us,
+                "settings": _jsonable(settings),
+                "queries": report.queries,
+                "clicks": report.clicks,
+                "lines": report.lines,
+                "duplicate_lines": report.duplicate_lines,
+                "malformed_lines": report.malformed_lines,
+                "malformed_by_kind": dict(sorted(world.malformed_by_kind.items())),
+                "files_per_dc": report.files,
+                "expect": report.expect,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    report.seconds = time.perf_counter() - t_begin
+    return report
+
+
+def _add_manifest_rows(
+    writer: Any,
+    m: pa.Table,
+    query_arrival: dict[tuple[int, int], int],
+    settings: GeneratorSettings,
+    counts: dict[str, int],
+) -> None:
+    keys = zip(m["query_server"].to_pylist(), m["query_seq"].to_pylist(), strict=True)
+    first = np.array([query_arrival.get(k, -1) for k in keys], dtype=np.int64)
+    logged = m["query_logged"].to_numpy(zero_copy_only=False) & (first >= 0)
+    never = np.iinfo(np.int64).max
+    exp = expectation(
+        m["click_ts_us"].to_numpy(),
+        np.where(first >= 0, first, never),
+        logged,
+        settings.max_join_delay_s,
+        settings.boundary_margin_s,
+    ).astype(str)
+    for k, v in zip(*np.unique(exp, return_counts=True), strict=True):
+        counts[str(k)] = counts.get(str(k), 0) + int(v)
+    writer.write_table(
+        pa.table(
+            {
+                "click_id": m["click_id"],
+                "click_ts_us": m["click_ts_us"],
+                "query_id": m["query_id"],
+                "query_ts_us": m["query_ts_us"],
+                "ad_id": m["ad_id"],
+                "query_logged": logged,
+                "first_query_arrival_us": pa.array(first, mask=first < 0),
+                "expect": pa.array(exp, pa.string()),
+            },
+            schema=_CLICK_SCHEMA,
+        )
+    )
+
+
+def _drain(pending: list[Any], logs: Path, sleep: Callable[[float], None], until_us: int | None) -> None:
+    """Live mode: write each replica's files at their arrival (wall-clock) time, until ``until_us`` (or until none
+    is left). A file still on its way has an ``.inprogress`` copy of its first half where it will appear."""
+    pending.sort()
+    while pending and (until_us is None or time.time() * US < until_us):
+        now = int(time.time() * US)
+        while pending and pending[0][0] <= now:
+            _, _, _, dc, kind, name, data = pending.pop(0)
+            write_file(logs / dc / kind / name, data)
+        for _, _, opened, dc, kind, name, data in pending:
+            if opened > now:
+                break  # sorted by arrival, not opening; good enough to bound the scan
+            partial = logs / dc / kind / (name + ".inprogress")
+            if not partial.exists():
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_bytes(data[: len(data) // 2])
+        sleep(0.02)
+    if until_us is not None:
+        while time.time() * US < until_us:
+            sleep(min(0.05, max(0.0, until_us / US - time.time())))
+
+
+def _jsonable(settings: GeneratorSettings) -> dict[str, Any]:
+    d = asdict(settings)
+    d["dcs"] = list(settings.dcs)
+    d["outages"] = [asdict(o) for o in settings.outages]
+    return d
