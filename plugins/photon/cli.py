@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -178,6 +178,66 @@ def generate_cmd(
         f"{report.bytes / 1e6:,.1f} MB per data center; {report.seconds:.1f}s, {report.events_per_s:,.0f} events/s"
     )
     console.print(f"expected outcomes: {report.expect}; manifest in {logs / '_manifest'}")
+
+
+@app.command("audit")
+def audit_cmd(
+    out: Annotated[Path, typer.Option(help="Output folder holding one folder per pipeline.")],
+    logs: Annotated[Path | None, typer.Option(help="Input logs; their _manifest/ is used when present.")] = None,
+    manifest: Annotated[Path | None, typer.Option(help="Manifest folder (default: <logs>/_manifest).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
+    Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
+    from photon.audit import audit
+
+    if manifest is None and logs is not None and (logs / "_manifest" / "clicks.parquet").exists():
+        manifest = logs / "_manifest"
+    spark = None
+    if manifest is None:
+        if logs is None:
+            raise ValueError("give --logs (with or without a _manifest) or --manifest")
+        from photon.spark_session import get_spark
+
+        spark = get_spark("photon-audit")
+    report = audit(out, manifest=manifest, logs=logs, spark=spark)
+    if as_json:
+        typer.echo(report.to_json())
+    else:
+        print_audit(report)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def print_audit(report: Any) -> None:
+    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]: " + "; ".join(report.failures())
+    console.print(f"audit against the {report.source}: {verdict}")
+    console.print(
+        f"  input clicks {report.input_clicks:,}; joined rows {report.joined_rows:,}; duplicates "
+        f"{report.duplicate_clicks}; lost {report.lost} {report.lost_by_expectation or ''}; unexpected "
+        f"{report.unexpected}; joined to another query {report.wrong_query}"
+    )
+    console.print(f"  outcomes {report.outcomes}; unjoinable by reason {report.unjoinable_by_reason}")
+    q = report.quarantine
+    console.print(
+        f"  quarantine: expected {q['expected']:,}, found {q['found']:,}, missing {q['missing']}, extra {q['extra']}"
+    )
+    for line in q["files_mismatched"]:
+        console.print(f"    {line}")
+    shares = ", ".join(f"{p} {v['joined']:,} ({v['share']:.1%})" for p, v in report.shares.items())
+    console.print(f"  pipelines' shares of the joins: {shares}")
+    if report.latency_s:
+        lat = report.latency_s
+        console.print(
+            f"  end-to-end latency: p50 {lat['p50']}s, p90 {lat['p90']}s, p99 {lat['p99']}s, max {lat['max']}s"
+        )
+    if report.joined_although_unjoinable or report.joined_and_unjoinable:
+        console.print(
+            f"  note: {report.joined_although_unjoinable} joined although their query came too late; "
+            f"{report.joined_and_unjoinable} joined by one pipeline and given up by another"
+        )
+    for name, ids in report.samples.items():
+        if ids:
+            console.print(f"  {name}: {', '.join(ids)}")
 
 
 @app.command("demo")

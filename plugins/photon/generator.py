@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from photon.schemas import MAX_LINE_BYTES
+
 US = 1_000_000
 MANIFEST_DIR = "_manifest"
 KINDS = ("queries", "clicks")
@@ -119,6 +121,8 @@ class GeneratorSettings:
         ):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1)")
+        if self.huge_line_bytes <= MAX_LINE_BYTES:
+            raise ValueError(f"huge_line_bytes must exceed the {MAX_LINE_BYTES}-byte line limit to be malformed")
         unknown = set(self.malformed_weights) - set(MALFORMED_KINDS)
         if unknown:
             raise ValueError(f"unknown malformed kinds {sorted(unknown)}; known: {MALFORMED_KINDS}")
@@ -351,26 +355,35 @@ class World:
         return lines, manifest
 
     # -- malformed -------------------------------------------------------------------------------------------
-    def _malformed(self, kind: str, sample: bytes) -> bytes:
+    def _malformed(self, kind: str, sample: bytes, log: str) -> bytes:
+        """One malformed line of the given kind, shaped like the lines of its file (queries or clicks)."""
         rng = self.rng
         self.malformed_counter += 1
         self.malformed_by_kind[kind] = self.malformed_by_kind.get(kind, 0) + 1
-        fresh = f"10.250.0.1-{self.malformed_counter}-{1_600_000_000_000_000 + self.malformed_counter}"
+        fresh = f"10.250.0.1-{self.malformed_counter}-{1_600_000_000_000_000 + self.malformed_counter}".encode()
+        key = b"click_id" if log == "clicks" else b"query_id"
+        rest = (
+            b'"query_id": "10.1.2.3-4711-1763737200000000", "ad_id": "a1"'
+            if log == "clicks"
+            else (b'"user_id": "u1", "query_text": "q", "country": "DE", "ads": []')
+        )
         if kind == "truncated":
             return sample[: max(1, int(len(sample) * rng.uniform(0.1, 0.9)))].rstrip(b"\n") + b"\n"
         if kind == "wrong_type":
-            return b'{"click_id": "' + fresh.encode() + b'", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"]}\n'
+            return b'{"' + key + b'": "' + fresh + b'", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"], "ads": 3}\n'
         if kind == "missing_id":
-            return b'{"ts_us": 1763737200000000, "query_id": "10.1.2.3-4711-1763737200000000", "ad_id": "a1"}\n'
+            return b'{"ts_us": 1763737200000000, ' + rest + b"}\n"
         if kind == "bad_id":
-            return b'{"click_id": "not-an-id", "ts_us": 1763737200000000, "query_id": "1.2.3", "ad_id": "a1"}\n'
+            return b'{"' + key + b'": "not-an-id", "ts_us": 1763737200000000, ' + rest + b"}\n"
         if kind == "invalid_utf8":
             cut = max(1, len(sample) // 2)
             return sample[:cut] + b"\xff\xfe\xc3(" + sample[cut:]
         if kind == "not_an_object":
-            return b'["' + fresh.encode() + b'", 1763737200000000]\n'
+            return b'["' + fresh + b'", 1763737200000000]\n'
         pad = b"x" * self.s.huge_line_bytes
-        return b'{"click_id": "' + fresh.encode() + b'", "padding": "' + pad + b'"}\n'
+        return (
+            b'{"' + key + b'": "' + fresh + b'", "ts_us": 1763737200000000, ' + rest + b', "padding": "' + pad + b'"}\n'
+        )
 
     # -- files -----------------------------------------------------------------------------------------------
     def _files(self, kind: str, servers: Servers, rows: pa.Table, t0: int, t1: int) -> tuple[list[Any], pa.Array]:
@@ -396,7 +409,8 @@ class World:
         bad_kinds = rng.choice(len(MALFORMED_KINDS), n_bad, p=weights / weights.sum()) if n_bad else np.empty(0, int)
         bad_at = rng.integers(0, n, n_bad) if n_bad else np.empty(0, np.int64)
         bad_lines = [
-            self._malformed(MALFORMED_KINDS[k], line[int(i)].as_py()) for k, i in zip(bad_kinds, bad_at, strict=True)
+            self._malformed(MALFORMED_KINDS[k], line[int(i)].as_py(), kind)
+            for k, i in zip(bad_kinds, bad_at, strict=True)
         ]
         all_server = np.r_[server, server[dup], server[bad_at]]
         all_seq = np.r_[seq, d_seq, seq[bad_at]]
@@ -406,6 +420,8 @@ class World:
         order = np.lexsort((all_key, all_seq, all_server))
         lines = lines.take(pa.array(order))
         all_server, all_seq, is_bad = all_server[order], all_seq[order], is_bad[order]
+        if len(order) == 0:
+            return [], lines
         cut = np.flatnonzero(np.r_[True, (all_server[1:] != all_server[:-1]) | (all_seq[1:] != all_seq[:-1]), True])
         bad_cum = np.r_[0, np.cumsum(is_bad)]
         files = []

@@ -1,0 +1,161 @@
+"""The log generator: deterministic, faithful to its settings, and to EVENTS.md's layout and rules."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from photon.generator import MALFORMED_KINDS, GeneratorSettings, Outage, expectation, generate
+
+START = 1_763_700_000_000_000
+US = 1_000_000
+NAME = re.compile(r"^\d+\.\d+\.\d+\.\d+-\d+-\d+\.jsonl$")
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_gives_byte_identical_logs_and_manifest(tmp_path: Path) -> None:
+    s = GeneratorSettings(events_per_s=3_000, malformed_fraction=0.01, duplicate_fraction=0.02)
+    generate(s, tmp_path / "one", start_us=START, end_us=START + 20 * US)
+    generate(s, tmp_path / "two", start_us=START, end_us=START + 20 * US)
+    one, two = read_tree(tmp_path / "one"), read_tree(tmp_path / "two")
+    assert one.keys() == two.keys() and len(one) > 50
+    assert all(one[k] == two[k] for k in one)
+    generate(GeneratorSettings(events_per_s=3_000, seed=2), tmp_path / "three", start_us=START, end_us=START + 20 * US)
+    three = read_tree(tmp_path / "three")
+    assert three["dc-a/clicks/" + next(iter(sorted(k for k in three if "clicks/" in k))).split("/")[-1]] != b""
+    assert three.keys() != one.keys() or any(three[k] != one[k] for k in one)
+
+
+@pytest.fixture(scope="module")
+def stats_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[GeneratorSettings, Path, dict]:
+    s = GeneratorSettings(
+        events_per_s=5_000,
+        duplicate_fraction=0.02,
+        malformed_fraction=0.01,
+        lost_query_fraction=0.05,
+        malformed_weights=dict.fromkeys(MALFORMED_KINDS, 1.0) | {"huge": 0.01},
+    )
+    root = tmp_path_factory.mktemp("gen")
+    report = generate(s, root, start_us=START, end_us=START + 120 * US)
+    return s, root, {"report": report}
+
+
+def parse_dc(root: Path, dc: str, kind: str) -> tuple[list[dict], int, int]:
+    valid, bad, total = [], 0, 0
+    for f in sorted((root / dc / kind).glob("*.jsonl")):
+        for line in f.read_bytes().split(b"\n")[:-1]:
+            total += 1
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                key = "click_id" if kind == "clicks" else "query_id"
+                assert isinstance(obj, dict) and isinstance(obj["ts_us"], int)
+                assert re.match(r"^\d+\.\d+\.\d+\.\d+-\d+-\d+$", obj[key])
+                if kind == "clicks":
+                    assert re.match(r"^\d+\.\d+\.\d+\.\d+-\d+-\d+$", obj["query_id"]) and isinstance(obj["ad_id"], str)
+                else:
+                    assert isinstance(obj["ads"], list) and obj["ads"]
+                assert len(line) < 1 << 20  # a line of megabytes is malformed
+                valid.append(obj)
+            except (ValueError, KeyError, AssertionError, TypeError, UnicodeDecodeError):
+                bad += 1
+    return valid, bad, total
+
+
+def test_statistics_match_the_settings(stats_run: tuple[GeneratorSettings, Path, dict]) -> None:
+    s, root, info = stats_run
+    report = info["report"]
+    queries, q_bad, q_total = parse_dc(root, "dc-a", "queries")
+    clicks, c_bad, c_total = parse_dc(root, "dc-a", "clicks")
+    manifest = pq.read_table(root / "_manifest" / "clicks.parquet").to_pandas()
+    q_ids = {q["query_id"] for q in queries}
+    c_ids = {c["click_id"] for c in clicks}
+    # rate: logged queries plus clicks per second, over 120 s (lost queries are not logged)
+    events = len(q_ids) / (1 - s.lost_query_fraction) + len(manifest)
+    assert events / 120 == pytest.approx(s.events_per_s, rel=0.05)
+    # the manifest holds each click once, every click id in the logs, and nothing else
+    assert set(manifest["click_id"]) == c_ids and manifest["click_id"].is_unique
+    # duplicates: valid lines beyond the first of each id
+    dups = (len(queries) - len(q_ids)) + (len(clicks) - len(c_ids))
+    assert dups / (len(q_ids) + len(c_ids)) == pytest.approx(s.duplicate_fraction, rel=0.15)
+    # malformed lines: fraction of all lines, every kind present, counted per file in the manifest
+    assert (q_bad + c_bad) / (q_total + c_total) == pytest.approx(s.malformed_fraction, rel=0.15)
+    files = pq.read_table(root / "_manifest" / "files.parquet").to_pandas()
+    assert files[files.dc == "dc-a"].malformed.sum() == q_bad + c_bad == report.malformed_lines
+    by_kind = json.loads((root / "_manifest" / "manifest.json").read_text())["malformed_by_kind"]
+    assert set(by_kind) == set(MALFORMED_KINDS)
+    # queries never logged: their clicks are in the logs, their queries are not, and they must be unjoinable
+    unlogged = ~manifest["query_id"].isin(q_ids)
+    assert unlogged.mean() == pytest.approx(s.lost_query_fraction, rel=0.25)
+    assert (manifest.loc[unlogged, "expect"] == "unjoinable").all()
+    assert (manifest.loc[~unlogged, "expect"] == "join").all()  # historical: every logged query is there in time
+
+
+def test_click_delays_and_clocks_follow_the_settings(tmp_path: Path) -> None:
+    s = GeneratorSettings(events_per_s=1_500, max_clock_skew_s=0.0, late_click_fraction=0.05, late_click_max_s=600)
+    generate(s, tmp_path, start_us=START, end_us=START + 900 * US)
+    m = pq.read_table(tmp_path / "_manifest" / "clicks.parquet").to_pandas()
+    early = m[m.query_ts_us < START + 200 * US]  # queries early enough that their late clicks fit in the window
+    delay = (early.click_ts_us - early.query_ts_us) / US
+    assert (delay >= 0).all()
+    assert np.median(delay) == pytest.approx(s.click_delay_median_s, rel=0.12)
+    assert (delay > 60).mean() == pytest.approx(s.late_click_fraction, rel=0.3)
+    assert delay.max() <= 600
+
+
+def test_contract_rules_hold_with_skewed_clocks(tmp_path: Path) -> None:
+    s = GeneratorSettings(events_per_s=4_000, max_clock_skew_s=10.0)
+    generate(s, tmp_path, start_us=START, end_us=START + 30 * US)
+    m = pq.read_table(tmp_path / "_manifest" / "clicks.parquet").to_pandas()
+    assert (m.click_ts_us >= m.query_ts_us - 10 * US).all()  # a click happens after its query, up to the skew
+    assert not (m.click_ts_us >= m.query_ts_us).all()  # ... and the skew really shows
+    for dc in s.dcs:
+        for kind in ("queries", "clicks"):
+            names = [p.name for p in (tmp_path / dc / kind).iterdir()]
+            assert names and all(NAME.match(n) for n in names)  # closed files only, named <ip>-<pid>-<seq>.jsonl
+    # a process never logs two events with the same ts_us: ids are unique within each process
+    ids = m.click_id.str.rsplit("-", n=1).str[0] + "/" + m.click_ts_us.astype(str)
+    assert ids.is_unique
+    # every replica holds the same files with the same bytes
+    assert read_tree(tmp_path / "dc-a") == read_tree(tmp_path / "dc-b")
+
+
+def test_expectation_rule() -> None:
+    click = np.array([0, 0, 0, 0, 0], dtype=np.int64)
+    arrival = np.array([50, 118, 121, 200, 10], dtype=np.int64) * US
+    logged = np.array([True, True, True, True, False])
+    got = expectation(click, arrival, logged, max_join_delay_s=120, margin_s=5).tolist()
+    assert got == ["join", "either", "either", "unjoinable", "unjoinable"]
+
+
+def test_live_mode_writes_files_as_they_arrive_and_outages_catch_up(tmp_path: Path) -> None:
+    import time
+
+    s = GeneratorSettings(
+        events_per_s=500,
+        rotate_s=1.0,
+        chunk_s=1.0,
+        query_lag_median_s=0.2,
+        click_lag_median_s=0.1,
+        late_query_file_fraction=0.0,
+        outages=(Outage("dc-b", 1.0, 2.0),),
+    )
+    start = int(time.time() * US)
+    report = generate(s, tmp_path, start_us=start, end_us=start + 4 * US, live=True)
+    files = pq.read_table(tmp_path / "_manifest" / "files.parquet").to_pandas()
+    outage_begin, outage_end = report.start_us + 1 * US, report.start_us + 3 * US
+    b = files[files.dc == "dc-b"]
+    assert not ((b.arrival_us >= outage_begin) & (b.arrival_us < outage_end)).any()
+    assert (b.arrival_us >= outage_end).sum() > 0
+    for row in files.itertuples():
+        path = tmp_path / row.dc / row.kind / row.name
+        assert path.exists() and path.stat().st_mtime * US >= row.arrival_us - 50_000
+    assert not list(tmp_path.rglob("*.inprogress"))
+    assert report.seconds >= 4
