@@ -266,25 +266,28 @@ def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
             folder = logs / dc / kind
             if not any(folder.glob("*.jsonl")):
                 continue
-            lines = spark.read.text(str(folder / "*.jsonl")).select(
-                F.element_at(F.split(F.input_file_name(), "/"), -1).alias("file"), "value"
+            lines = (
+                spark.read.option("pathGlobFilter", "*.jsonl")
+                .text(str(folder))
+                .select(F.element_at(F.split(F.input_file_name(), "/"), -1).alias("file"), "value")
             )
             j = F.from_json("value", schema, {"mode": "PERMISSIVE"})
             parsed = lines.select("file", "value", j.alias("j"))
             ok = (
                 F.col("j").isNotNull()
                 & (F.length("value") <= _MAX_LINE)
-                & ~F.col("value").contains("\ufffd")  # invalid UTF-8 read back as replacement characters
+                & F.expr("is_valid_utf8(value)")  # the text reader keeps the raw bytes of each line
                 & F.col("j.ts_us").isNotNull()
             )
             if kind == "clicks":
                 ok = ok & F.col("j.click_id").rlike(_ID) & F.col("j.query_id").rlike(_ID) & F.col("j.ad_id").rlike(_AD)
-                clicks = parsed.where(ok).select(
+                clicks = parsed.where(F.coalesce(ok, F.lit(False))).select(
                     F.col("j.click_id").alias("click_id"), F.col("j.query_id").alias("query_id")
                 )
                 valid_clicks = clicks if valid_clicks is None else valid_clicks.unionByName(clicks)
             else:
                 ok = ok & F.col("j.query_id").rlike(_ID) & F.col("j.ads").isNotNull()
+            ok = F.coalesce(ok, F.lit(False))  # a NULL (missing field) is not valid: count it as malformed
             bad = parsed.where(~ok).groupBy("file").count().collect()
             file_counts += [(dc, kind, r["file"], int(r["count"])) for r in bad]
     if valid_clicks is None:
