@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test unit lint demo bench-registry lock clean-state
+.PHONY: setup test unit lint demo bench-registry bench-generator lock clean-state
 
 setup: $(VENV)/.ready
 
@@ -48,3 +48,6 @@ lock:
 # Stops nothing; removes the local state folder (embedded PostgreSQL data, demo logs and output).
 clean-state:
 	rm -rf .photon
+
+bench-generator: setup
+	"$(PY)" -m bench.generator $(BENCH_ARGS)
