@@ -159,3 +159,38 @@ def test_live_mode_writes_files_as_they_arrive_and_outages_catch_up(tmp_path: Pa
         assert path.exists() and path.stat().st_mtime * US >= row.arrival_us - 50_000
     assert not list(tmp_path.rglob("*.inprogress"))
     assert report.seconds >= 4
+
+
+def test_cli_generates_historical_logs_with_overrides(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from photon.cli import app
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--logs",
+            str(tmp_path),
+            "--start",
+            "2026-11-20T00:00:00Z",
+            "--duration",
+            "5",
+            "--rate",
+            "1000",
+            "--dcs",
+            "dc-a,dc-b,dc-c",
+            "--set",
+            "duplicate_fraction=0.1",
+            "--set",
+            'dc_lag_factor={"dc-c": 3}',
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "historical:" in result.output and "expected outcomes" in result.output
+    manifest = json.loads((tmp_path / "_manifest" / "manifest.json").read_text())
+    assert manifest["settings"]["duplicate_fraction"] == 0.1 and manifest["settings"]["dcs"] == ["dc-a", "dc-b", "dc-c"]
+    assert manifest["start_us"] == 1_795_132_800_000_000  # 2026-11-20T00:00:00Z
+    assert all((tmp_path / dc / "clicks").is_dir() for dc in ("dc-a", "dc-b", "dc-c"))
+    bad = CliRunner().invoke(app, ["generate", "--logs", str(tmp_path / "x"), "--set", "nonsense=1"])
+    assert bad.exit_code != 0 and "nonsense" in str(bad.exception)
