@@ -4,6 +4,7 @@ files never import pyspark at module level."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 
@@ -12,6 +13,9 @@ def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: i
 
     # The VM's hostname resolves to a non-loopback address; keep the driver on loopback unless told otherwise.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Python workers run the driver's interpreter (the project's virtual environment), not whatever is on PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.appName(app_name)
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))

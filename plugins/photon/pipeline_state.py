@@ -1,0 +1,159 @@
+"""A pipeline's durable state on the registry's main server: leases with fencing epochs (DistributedLog), batch
+commits keyed by pipeline and batch number (Pravega), the input files each batch consumed, per-batch metrics.
+
+A lease takes a new epoch. A batch commits in one transaction that advances ``last_batch`` from k-1 to k only if
+the lease's epoch is still current: a zombie lease that Airflow gave up on can never move the position or publish
+a batch after its successor started. Committing batch k again with the same epoch is a no-op; committing out of
+order is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg2.extras import execute_values
+
+from photon.owners import Token
+from photon.pg import autocommit, connect
+
+
+class FencedError(RuntimeError):
+    """This lease's epoch is no longer current, or the batch is out of order: stop, commit nothing."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    pipeline: str
+    epoch: int
+    owner_id: int
+    last_batch: int  # last committed batch when the lease started
+
+    def token(self, batch_seq: int) -> Token:
+        # The token names (pipeline, batch), not the lease: a lease that re-runs batch k after a crash finds the
+        # ids its predecessor registered for k as its own (WON_AGAIN) and writes them, so nothing is lost.
+        return Token(self.owner_id, batch_seq)
+
+
+class PipelineState:
+    def __init__(self, main_dsn: str, pipeline: str):
+        self.dsn = main_dsn
+        self.pipeline = pipeline
+
+    def start_lease(self) -> Lease:
+        holder = f"{socket.gethostname()}:{os.getpid()}"
+        conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_advisory_xact_lock(hashtext('photon.pipeline.' || %s))", (self.pipeline,))
+                cur.execute("SELECT 1 FROM photon.pipelines WHERE pipeline = %s", (self.pipeline,))
+                if cur.fetchone() is None:
+                    cur.execute(
+                        "INSERT INTO photon.owners (pipeline, host, pid, info) VALUES (%s, %s, %s, %s)"
+                        " RETURNING owner_id",
+                        (self.pipeline, socket.gethostname(), os.getpid(), '{"kind": "pipeline"}'),
+                    )
+                    owner_id = cur.fetchone()[0]
+                    cur.execute(
+                        "INSERT INTO photon.pipelines (pipeline, owner_id) VALUES (%s, %s)", (self.pipeline, owner_id)
+                    )
+                cur.execute(
+                    "UPDATE photon.pipelines SET epoch = epoch + 1, lease_owner = %s, lease_started_at = now(),"
+                    " heartbeat_at = now(), updated_at = now() WHERE pipeline = %s"
+                    " RETURNING epoch, owner_id, last_batch",
+                    (holder, self.pipeline),
+                )
+                epoch, owner_id, last_batch = cur.fetchone()
+            conn.commit()
+        finally:
+            conn.close()
+        return Lease(self.pipeline, int(epoch), int(owner_id), int(last_batch))
+
+    def consumed(self) -> set[tuple[str, str]]:
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT kind, name FROM photon.consumed_files WHERE pipeline = %s", (self.pipeline,))
+            return {(str(k), str(n)) for k, n in cur.fetchall()}
+
+    def batches(self) -> list[tuple[int, int, bool]]:
+        """(batch_seq, epoch, published) of every committed batch."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT batch_seq, epoch, published FROM photon.batches WHERE pipeline = %s ORDER BY 1",
+                (self.pipeline,),
+            )
+            return [(int(b), int(e), bool(p)) for b, e, p in cur.fetchall()]
+
+    def commit(
+        self,
+        lease: Lease,
+        batch_seq: int,
+        files: Iterable[tuple[str, str]],
+        metrics: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Commit batch ``batch_seq``; True if this call committed it, False if it was already committed by this
+        epoch. Raises FencedError if the epoch was superseded or the batch is out of order."""
+        conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
+        try:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "UPDATE photon.pipelines SET last_batch = %s, heartbeat_at = now(), updated_at = now()"
+                    " WHERE pipeline = %s AND epoch = %s AND last_batch = %s",
+                    (batch_seq, self.pipeline, lease.epoch, batch_seq - 1),
+                )
+                if cur.rowcount == 0:
+                    cur.execute("SELECT epoch, last_batch FROM photon.pipelines WHERE pipeline = %s", (self.pipeline,))
+                    epoch, last = cur.fetchone()
+                    conn.rollback()
+                    if epoch != lease.epoch:
+                        raise FencedError(f"{self.pipeline}: lease epoch {lease.epoch} superseded by {epoch}")
+                    if last >= batch_seq and self._committed_by(batch_seq, lease.epoch):
+                        return False
+                    raise FencedError(f"{self.pipeline}: batch {batch_seq} out of order (last committed {last})")
+                cur.execute(
+                    "INSERT INTO photon.batches (pipeline, batch_seq, epoch) VALUES (%s, %s, %s)",
+                    (self.pipeline, batch_seq, lease.epoch),
+                )
+                execute_values(
+                    cur,
+                    "INSERT INTO photon.consumed_files (pipeline, kind, name, batch_seq) VALUES %s",
+                    [(self.pipeline, k, n, batch_seq) for k, n in files],
+                    page_size=1000,
+                )
+                if metrics:
+                    cols = list(metrics)
+                    cur.execute(
+                        f"INSERT INTO photon.batch_metrics (pipeline, batch_seq, epoch, {', '.join(cols)})"
+                        f" VALUES (%s, %s, %s, {', '.join(['%s'] * len(cols))})",
+                        (self.pipeline, batch_seq, lease.epoch, *[metrics[c] for c in cols]),
+                    )
+            conn.commit()
+            return True
+        finally:
+            conn.close()
+
+    def _committed_by(self, batch_seq: int, epoch: int) -> bool:
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT epoch FROM photon.batches WHERE pipeline = %s AND batch_seq = %s", (self.pipeline, batch_seq)
+            )
+            row = cur.fetchone()
+            return row is not None and int(row[0]) == epoch
+
+    def mark_published(self, batch_seq: int) -> None:
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s",
+                (self.pipeline, batch_seq),
+            )
+
+    def heartbeat(self, lease: Lease) -> None:
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "UPDATE photon.pipelines SET heartbeat_at = now() WHERE pipeline = %s AND epoch = %s",
+                (self.pipeline, lease.epoch),
+            )
+            if cur.rowcount == 0:
+                raise FencedError(f"{self.pipeline}: lease epoch {lease.epoch} superseded")
