@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ class JoinSettings:
 class BatchResult:
     batch_seq: int
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _maybe_crash(point: str, batch_seq: int) -> None:
+    """Fault injection for tests: PHOTON_CRASH_AT=<point>@<batch> kills this process with SIGKILL right there."""
+    if os.environ.get("PHOTON_CRASH_AT") == f"{point}@{batch_seq}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- executor-side functions (they run in Spark's Python workers) ----------------------------------------------
@@ -258,23 +265,31 @@ class Joiner:
         max_batches: int | None = None,
         on_batch: Callable[[BatchResult], None] | None = None,
     ) -> list[BatchResult]:
-        """Run batches until ``run_for_s`` passes (a lease), or until caught up: no new file and no due retry
-        (with ``drain``: no retry left at all)."""
+        """Run batches until ``run_for_s`` passes (a lease), or until caught up: no new file, and the retries that
+        were due have had one batch since the last new file. With ``drain``, until no retry is left at all."""
         lease = self.lease or self.start()
         deadline = time.monotonic() + run_for_s if run_for_s is not None else None
         k = lease.last_batch
         results = []
+        retried_since_files = False
         while True:
             t0 = time.monotonic()
             q_files, c_files = self._new_files()
             pending, due = self._retry_counts()
-            if q_files or c_files or due:
+            ran = False
+            if q_files or c_files:
+                retried_since_files = False
+                ran = True
+            elif due and (drain or not until_caught_up or not retried_since_files):
+                retried_since_files = True
+                ran = True
+            elif until_caught_up and (not drain or pending == 0):
+                break
+            if ran:
                 k += 1
                 results.append(self.run_batch(k, q_files, c_files))
                 if on_batch:
                     on_batch(results[-1])
-            elif until_caught_up and (not drain or pending == 0):
-                break
             if max_batches is not None and len(results) >= max_batches:
                 break
             if deadline is not None and time.monotonic() >= deadline:
@@ -454,6 +469,7 @@ class Joiner:
             .persist()
         )
         outcome_counts = {int(r["outcome"]): int(r["count"]) for r in registered.groupBy("outcome").count().collect()}
+        _maybe_crash("after_register", k)
 
         # 6. stage output.
         joined = registered.where(F.col("outcome").isin(0, 1)).withColumn("pipeline", F.lit(self.dc))
@@ -544,7 +560,9 @@ class Joiner:
         )
         metrics["duration_s"] = time.time() - t_start
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
+        _maybe_crash("before_commit", k)
         self.state.commit(lease, k, files, metrics)
+        _maybe_crash("after_commit", k)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
         self.retry_dir = retry_dir

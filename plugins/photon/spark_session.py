@@ -24,8 +24,12 @@ def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: i
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
     )
+    from pyspark import SparkConf
+
     if master:
         builder = builder.master(master)
+    elif not SparkConf().contains("spark.master"):  # spark-submit sets it; plain python gets local mode
+        builder = builder.master("local[*]")
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session

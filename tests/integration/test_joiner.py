@@ -1,0 +1,173 @@
+"""The joiner end to end: real PostgreSQL registry, real local Spark, generated logs, the independent auditor."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from photon.audit import audit
+from photon.generator import GeneratorSettings, generate
+from photon.joiner import Joiner, JoinSettings
+from photon.pg import autocommit
+from photon.registry_admin import init_registry
+
+pytestmark = pytest.mark.integration
+US = 1_000_000
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def servers(make_db: Callable[[], str]) -> dict[str, str]:
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=4)
+    return {"main": dsn}
+
+
+def make_logs(root: Path, seconds: float = 20, rate: float = 600, **overrides: Any) -> Path:
+    start = (int(time.time()) - 600) * US  # ten minutes ago: historical, older than the join delay
+    base: dict[str, Any] = {"malformed_fraction": 0.01, "duplicate_fraction": 0.02, "lost_query_fraction": 0.05}
+    settings = GeneratorSettings(events_per_s=rate, **(base | overrides))
+    generate(settings, root, start_us=start, end_us=start + int(seconds * US))
+    return root
+
+
+def joined_ids(out: Path) -> list[str]:
+    ids: list[str] = []
+    for p in sorted(out.glob("*/joined/*.parquet")):
+        ids += pq.read_table(p, columns=["click_id"])["click_id"].to_pylist()
+    return ids
+
+
+def test_two_pipelines_racing_over_the_same_logs(tmp_path: Path, servers: dict[str, str], spark: Any) -> None:
+    logs = make_logs(tmp_path / "logs")
+    out = tmp_path / "out"
+    settings = JoinSettings(max_click_files=25, trigger_interval_s=0.2)
+    errors: list[BaseException] = []
+
+    def run(dc: str) -> None:
+        try:
+            Joiner(dc, logs, out, servers, spark, settings).run(until_caught_up=True, drain=True)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(dc,)) for dc in ("dc-a", "dc-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.ok, report.failures()
+    assert report.duplicate_clicks == 0 and report.lost == 0 and report.outcomes["none"] == 0
+    assert report.quarantine["found"] == report.quarantine["expected"] > 0
+    assert sum(v["joined"] for v in report.shares.values()) == report.outcomes["joined"]
+    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT pipeline, count(*), sum(joined), sum(prefiltered + wasted) FROM photon.batch_metrics"
+            " GROUP BY pipeline ORDER BY 1"
+        )
+        rows = cur.fetchall()
+    assert [r[0] for r in rows] == ["dc-a", "dc-b"] and all(r[1] >= 2 for r in rows)
+    assert sum(r[2] for r in rows) == report.outcomes["joined"]
+
+
+def test_delayed_primary_is_joined_on_a_later_retry(tmp_path: Path, servers: dict[str, str], spark: Any) -> None:
+    logs = make_logs(tmp_path / "logs", seconds=10, lost_query_fraction=0.0, malformed_fraction=0.0)
+    held = tmp_path / "held"
+    shutil.move(str(logs / "dc-a" / "queries"), str(held))  # the queries have not arrived yet
+    (logs / "dc-a" / "queries").mkdir()
+    out = tmp_path / "out"
+    # A long join delay: historical clicks would otherwise be given up at once.
+    settings = JoinSettings(max_join_delay_s=86_400, retry_base_s=0.1, retry_max_s=0.5, trigger_interval_s=0.1)
+    joiner = Joiner("dc-a", logs, out, servers, spark, settings)
+    first = joiner.run(until_caught_up=True)
+    assert first and first[0].metrics["joined"] == 0 and first[0].metrics["retried"] > 0
+    assert joined_ids(out) == []
+    for f in held.iterdir():  # the delayed primary arrives
+        shutil.move(str(f), str(logs / "dc-a" / "queries" / f.name))
+    joiner.run(until_caught_up=True, drain=True)
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.ok, report.failures()
+    assert report.outcomes["joined"] == report.input_clicks
+
+
+def test_replayed_input_and_restarts_add_nothing(tmp_path: Path, servers: dict[str, str], spark: Any) -> None:
+    logs = make_logs(tmp_path / "logs", seconds=10)
+    out = tmp_path / "out"
+    settings = JoinSettings(trigger_interval_s=0.1)
+    Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True, drain=True)
+    before = sorted(joined_ids(out))
+    assert before
+    # A restart (new lease) finds nothing new: every file was consumed, every retry resolved.
+    assert Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True, drain=True) == []
+    # The same input files replayed under new names: every click is registered already.
+    for f in list((logs / "dc-a" / "clicks").iterdir()):
+        shutil.copy(f, f.with_name("replay-" + f.name))
+    again = Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True, drain=True)
+    assert again and sum(r.metrics["joined"] for r in again) == 0
+    assert sum(r.metrics["prefiltered"] for r in again) == len(set(before))
+    assert sorted(joined_ids(out)) == before
+
+
+@pytest.mark.parametrize(
+    "crash_points", [["after_register@2", "before_commit@3", "after_commit@3", "after_register@5"]]
+)
+def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
+    tmp_path: Path, servers: dict[str, str], crash_points: list[str]
+) -> None:
+    logs = make_logs(tmp_path / "logs", seconds=20)
+    out = tmp_path / "out"
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": servers["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "photon",
+        "join",
+        "--dc",
+        "dc-a",
+        "--logs",
+        str(logs),
+        "--out",
+        str(out),
+        "--until-caught-up",
+        "--drain",
+        "--trigger-interval",
+        "0.1",
+        "--master",
+        "local[2]",
+    ]
+    # Small batches, so the crash points fall inside the run.
+    env["PHOTON_TEST_MAX_CLICK_FILES"] = "5"
+    for point in crash_points:
+        proc = subprocess.run(
+            cmd, env={**env, "PHOTON_CRASH_AT": point}, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert proc.returncode == -9, proc.stdout + proc.stderr  # it really died by SIGKILL at that point
+        # Between crashes, at every moment: no click in joined/ twice.
+        ids = joined_ids(out)
+        assert len(ids) == len(set(ids))
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert final.returncode == 0, final.stdout + final.stderr
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.ok, report.failures()
+    assert report.duplicate_clicks == 0 and report.lost == 0
+    # Every id registered under this pipeline's tokens is in the output: the re-run batches reclaimed the ids their
+    # killed attempts had registered (same token, WON_AGAIN), so nothing is left for the verifier.
+    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT owner_id FROM photon.pipelines WHERE pipeline = 'dc-a'")
+        owner = cur.fetchone()[0]
+        registered = 0
+        for shard in range(4):
+            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
+            registered += cur.fetchone()[0]
+    assert registered == len(set(joined_ids(out)))
