@@ -125,7 +125,7 @@ def test_replayed_input_and_restarts_add_nothing(tmp_path: Path, servers: dict[s
 def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
     tmp_path: Path, servers: dict[str, str], crash_points: list[str]
 ) -> None:
-    logs = make_logs(tmp_path / "logs", seconds=20)
+    logs = make_logs(tmp_path / "logs", seconds=10)
     out = tmp_path / "out"
     env = {**os.environ, "PHOTON_REGISTRY_DSN": servers["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     cmd = [
@@ -147,7 +147,7 @@ def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
         "local[2]",
     ]
     # Small batches, so the crash points fall inside the run.
-    env["PHOTON_TEST_MAX_CLICK_FILES"] = "5"
+    env["PHOTON_TEST_MAX_CLICK_FILES"] = "4"
     for point in crash_points:
         proc = subprocess.run(
             cmd, env={**env, "PHOTON_CRASH_AT": point}, capture_output=True, text=True, timeout=300, check=False
