@@ -172,6 +172,7 @@ class Joiner:
         self.state_dir = self.root / "_state"
         self.staging = self.root / "_staging"
         self.lease: Lease | None = None
+        self.last_batch = 0  # last batch committed (by this lease or before it)
         self.consumed: set[tuple[str, str]] = set()
         self.cache: Any = None
         self.retry_dir: Path | None = None
@@ -192,6 +193,7 @@ class Joiner:
                     if d.name not in keep or folder == self.staging:
                         shutil.rmtree(d, ignore_errors=True)
         self.consumed = self.state.consumed()
+        self.last_batch = self.lease.last_batch
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
@@ -267,9 +269,10 @@ class Joiner:
     ) -> list[BatchResult]:
         """Run batches until ``run_for_s`` passes (a lease), or until caught up: no new file, and the retries that
         were due have had one batch since the last new file. With ``drain``, until no retry is left at all."""
-        lease = self.lease or self.start()
+        if self.lease is None:
+            self.start()
         deadline = time.monotonic() + run_for_s if run_for_s is not None else None
-        k = lease.last_batch
+        k = self.last_batch
         results = []
         retried_since_files = False
         while True:
@@ -566,6 +569,7 @@ class Joiner:
         self._publish(k, lease.epoch)
         self.consumed.update(files)
         self.retry_dir = retry_dir
+        self.last_batch = k
         for df in (cand, looked, miss, registered):
             df.unpersist()
         log.info("%s batch %d: %s", self.dc, k, metrics)

@@ -95,7 +95,8 @@ def test_delayed_primary_is_joined_on_a_later_retry(tmp_path: Path, servers: dic
     assert joined_ids(out) == []
     for f in held.iterdir():  # the delayed primary arrives
         shutil.move(str(f), str(logs / "dc-a" / "queries" / f.name))
-    joiner.run(until_caught_up=True, drain=True)
+    second = joiner.run(until_caught_up=True, drain=True)  # the same lease again: batch numbers go on
+    assert second and second[0].batch_seq == first[-1].batch_seq + 1
     report = audit(out, manifest=logs / "_manifest")
     assert report.ok, report.failures()
     assert report.outcomes["joined"] == report.input_clicks
