@@ -117,13 +117,16 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     from photon.cli import print_audit
     from photon.generator import GeneratorSettings, Outage, generate
     from photon.joiner import Joiner, JoinSettings
+    from photon.pg import create_database, with_dbname
     from photon.settings import load_settings
     from photon.spark_session import get_spark
 
     home = load_settings().home
     run = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     logs, out = run / "logs", run / "out"
-    servers = servers_from_settings()
+    # A registry database of its own: a pipeline's registry state and its output folder belong together.
+    main = servers_from_settings()["main"]
+    servers = {"main": create_database(with_dbname(main, "postgres"), f"photon_demo_{run.name.replace('-', '_')}")}
     init_registry(servers)
     settings = GeneratorSettings(
         events_per_s=rate,

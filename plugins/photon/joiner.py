@@ -187,11 +187,12 @@ class Joiner:
             if not published:
                 self._publish(b, e)
         keep = {self._tag(b, e) for b, e in committed}
-        for folder in (self.staging, self.state_dir / "eventstore", self.state_dir / "retries"):
-            if folder.is_dir():
-                for d in folder.iterdir():
-                    if d.name not in keep or folder == self.staging:
-                        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)  # whatever is still staged was never committed
+        retries = self.state_dir / "retries"
+        if retries.is_dir():
+            for d in retries.iterdir():
+                if d.name not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
         self.consumed = self.state.consumed()
         self.last_batch = self.lease.last_batch
         last = max(committed, default=None)
@@ -205,19 +206,20 @@ class Joiner:
     def _tag(batch: int, epoch: int) -> str:
         return f"b{batch:010d}-e{epoch}"
 
-    def _store_dirs(self) -> list[Path]:
-        folder = self.state_dir / "eventstore"
-        return sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
+    def _store(self) -> Any:
+        """The stored EventStore (committed batches only: files are published there after the commit)."""
+        root = self.state_dir / "eventstore"
+        if not root.is_dir() or not any(root.glob("bucket=*/*.parquet")):
+            return None
+        return self.spark.read.parquet(str(root))
 
     def _load_cache(self) -> None:
         from pyspark.sql import functions as F
 
         now_bucket = int(time.time()) // self.s.bucket_s
-        dirs = self._store_dirs()
-        if dirs:
-            df = self.spark.read.parquet(*[str(d) for d in dirs]).where(
-                F.col("bucket") >= now_bucket - self.s.cache_buckets
-            )
+        stored = self._store()
+        if stored is not None:
+            df = stored.where(F.col("bucket") >= now_bucket - self.s.cache_buckets)
         else:
             df = self._empty_queries()
         self._set_cache(df.dropDuplicates(["query_id"]))
@@ -364,7 +366,7 @@ class Joiner:
             queries = queries.dropDuplicates(["query_id"]).withColumn(
                 "bucket", F.floor(F.col("ts_us") / (s.bucket_s * US)).cast("long")
             )
-            store = self.state_dir / "eventstore" / tag
+            store = stage / "eventstore"
             queries.write.mode("overwrite").partitionBy("bucket").parquet(str(store))
             stored = self.spark.read.parquet(str(store))
             new_q = stored.count()
@@ -450,12 +452,9 @@ class Joiner:
             .distinct()
             .collect()
         ]
-        old_paths = [
-            str(d / f"bucket={b}") for d in self._store_dirs() for b in miss_buckets if (d / f"bucket={b}").is_dir()
-        ]
-        if old_paths:
-            stored = self.spark.read.option("basePath", str(self.state_dir / "eventstore")).parquet(*old_paths)
-            stored = stored.select(*q_cols).dropDuplicates(["query_id"])
+        stored_all = self._store() if miss_buckets else None
+        if stored_all is not None:
+            stored = stored_all.where(F.col("bucket").isin(miss_buckets)).select(*q_cols).dropDuplicates(["query_id"])
             found = found.unionByName(miss.join(stored, "query_id", "inner"))
             miss = miss.join(stored.select("query_id"), "query_id", "left_anti")
 
@@ -577,7 +576,15 @@ class Joiner:
 
     def _publish(self, k: int, epoch: int) -> None:
         """Move a committed batch's staged files into place (idempotent: safe to repeat after a crash)."""
-        stage = self.staging / self._tag(k, epoch)
+        tag = self._tag(k, epoch)
+        stage = self.staging / tag
+        store = stage / "eventstore"
+        if store.is_dir():
+            for bucket in sorted(d for d in store.iterdir() if d.name.startswith("bucket=")):
+                dst = self.state_dir / "eventstore" / bucket.name
+                dst.mkdir(parents=True, exist_ok=True)
+                for i, part in enumerate(sorted(p for p in bucket.iterdir() if p.name.endswith(".parquet"))):
+                    os.replace(part, dst / f"{tag}-{i:03d}.parquet")
         for kind in (JOINED, UNJOINABLE, QUARANTINE):
             src = stage / kind
             dst = self.root / kind
