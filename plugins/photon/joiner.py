@@ -161,8 +161,6 @@ class Joiner:
         spark: Any,
         settings: JoinSettings | None = None,
     ):
-        from pyspark.sql import types as T
-
         self.dc, self.logs, self.out = dc, logs, out
         self.servers = dict(servers)
         self.spark = spark
@@ -176,7 +174,6 @@ class Joiner:
         self.consumed: set[tuple[str, str]] = set()
         self.cache: Any = None
         self.retry_dir: Path | None = None
-        self.T = T
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
     # lease start: recover, then load state --------------------------------------------------------------
@@ -231,33 +228,8 @@ class Joiner:
             old.unpersist()
 
     def _empty_queries(self) -> Any:
-        schema = self.spark.createDataFrame([], self._query_struct()).schema
+        schema = self._spark_schema(pa.schema([*QUERY_FIELDS, pa.field("bucket", pa.int64())]))
         return self.spark.createDataFrame([], schema)
-
-    def _query_struct(self) -> Any:
-        T = self.T
-        return T.StructType(
-            [
-                T.StructField("query_id", T.StringType()),
-                T.StructField("ts_us", T.LongType()),
-                T.StructField("user_id", T.StringType()),
-                T.StructField("query_text", T.StringType()),
-                T.StructField("country", T.StringType()),
-                T.StructField(
-                    "ads",
-                    T.ArrayType(
-                        T.StructType(
-                            [
-                                T.StructField("ad_id", T.StringType()),
-                                T.StructField("advertiser_id", T.StringType()),
-                                T.StructField("bid_micros", T.LongType()),
-                            ]
-                        )
-                    ),
-                ),
-                T.StructField("bucket", T.LongType()),
-            ]
-        )
 
     # the loop --------------------------------------------------------------------------------------------
     def run(

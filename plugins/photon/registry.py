@@ -174,6 +174,13 @@ def encode_copy(*columns: np.ndarray) -> bytes:
     return b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8 + rec.tobytes() + b"\xff\xff"
 
 
+def _refuse(keys: EventKeys, bad: np.ndarray, why: Any) -> None:
+    """Raise InvalidEventIdError for the ids at positions ``bad`` (if any), showing the first five."""
+    if len(bad):
+        shown = keys.take(bad[:5]).to_ids()
+        raise InvalidEventIdError([(int(p), i, why(p)) for p, i in zip(bad[:5].tolist(), shown, strict=True)], len(bad))
+
+
 def dedup(keys: EventKeys) -> tuple[np.ndarray, np.ndarray]:
     """(positions of the distinct keys in key order, index of each input's distinct key)."""
     order = np.lexsort((keys.src, keys.ts_us))
@@ -304,27 +311,17 @@ class IdRegistry:
             t = np.asarray(times, dtype=np.int64)
             if t.shape != keys.ts_us.shape:
                 raise ValueError(f"{len(t)} times for {len(keys)} ids")
-            bad = np.flatnonzero(t != keys.ts_us)
-            if len(bad):
-                shown = keys.take(bad[:5]).to_ids()
-                raise InvalidEventIdError(
-                    [
-                        (int(p), i, f"event time {int(t[p])} differs from the id's own timestamp")
-                        for p, i in zip(bad[:5].tolist(), shown, strict=True)
-                    ],
-                    len(bad),
-                )
-        limit = int((time.time() + self.options.max_future_s) * 1e6)
-        future = np.flatnonzero(keys.ts_us > limit)
-        if len(future):
-            shown = keys.take(future[:5]).to_ids()
-            raise InvalidEventIdError(
-                [
-                    (int(p), i, f"timestamp more than {self.options.max_future_s:g}s in the future")
-                    for p, i in zip(future[:5].tolist(), shown, strict=True)
-                ],
-                len(future),
+            _refuse(
+                keys,
+                np.flatnonzero(t != keys.ts_us),
+                lambda p: f"event time {int(t[p])} differs from the id's own timestamp",
             )
+        limit = int((time.time() + self.options.max_future_s) * 1e6)
+        _refuse(
+            keys,
+            np.flatnonzero(keys.ts_us > limit),
+            lambda p: f"timestamp more than {self.options.max_future_s:g}s in the future",
+        )
 
     def _groups(self, ukeys: EventKeys) -> list[tuple[ShardRef, np.ndarray]]:
         versions, shards = self.layout().assign(ukeys)
