@@ -370,7 +370,9 @@ class World:
         if kind == "truncated":
             return sample[: max(1, int(len(sample) * rng.uniform(0.1, 0.9)))].rstrip(b"\n") + b"\n"
         if kind == "wrong_type":
-            return b'{"' + key + b'": "' + fresh + b'", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"], "ads": 3}\n'
+            if log == "clicks":
+                return b'{"click_id": "' + fresh + b'", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"]}\n'
+            return b'{"query_id": "' + fresh + b'", "ts_us": "soon", "user_id": 17, "ads": 3}\n'
         if kind == "missing_id":
             return b'{"ts_us": 1763737200000000, ' + rest + b"}\n"
         if kind == "bad_id":
