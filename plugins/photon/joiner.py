@@ -341,7 +341,7 @@ class Joiner:
             store = stage / "eventstore"
             queries.write.mode("overwrite").partitionBy("bucket").parquet(str(store))
             stored = self.spark.read.parquet(str(store))
-            new_q = stored.count()
+            new_q = _parquet_rows(store)
             min_bucket = now // US // s.bucket_s - s.cache_buckets
             self._set_cache(
                 self.cache.unionByName(stored).where(F.col("bucket") >= min_bucket).dropDuplicates(["query_id"])
@@ -378,9 +378,7 @@ class Joiner:
         cand = frames[0]
         for f in frames[1:]:
             cand = cand.unionByName(f)
-        cand = cand.dropDuplicates(["click_id"]).persist()
-        metrics["clicks"] = cand.count()
-        metrics["retries_in"] = metrics["clicks"] - (frames[0].count() if c_files else 0)
+        cand = cand.dropDuplicates(["click_id"])
 
         # 2. registry pre-filter, in executors.
         looked = (
@@ -405,7 +403,12 @@ class Joiner:
             .persist()
         )
         taken = (F.col("reg_token") >= 0) & (F.col("reg_token") != token.value)
-        metrics["prefiltered"] = looked.where(taken).count()
+        counts = looked.agg(
+            F.count("*").alias("clicks"),
+            F.sum(taken.cast("int")).alias("prefiltered"),
+            F.sum((F.col("attempts") > 0).cast("int")).alias("retries_in"),
+        ).collect()[0]
+        metrics.update({name: int(counts[name] or 0) for name in ("clicks", "prefiltered", "retries_in")})
         gc_old = looked.where(~taken & F.col("too_old"))
         live = looked.where(~taken & ~F.col("too_old")).drop("reg_token", "too_old")
 
@@ -413,8 +416,12 @@ class Joiner:
         q_cols = ["query_id", F.col("ts_us").alias("query_ts_us"), "user_id", "query_text", "country", "ads"]
         hit = live.join(self.cache.select(*q_cols), "query_id", "inner")
         miss = live.join(self.cache.select("query_id"), "query_id", "left_anti").persist()
-        metrics["cache_lookups"] = live.count()
-        metrics["cache_hits"] = hit.count()
+        probe = (
+            live.join(self.cache.select("query_id", F.lit(1).alias("hit")), "query_id", "left")
+            .agg(F.count("*").alias("lookups"), F.sum(F.coalesce("hit", F.lit(0))).alias("hits"))
+            .collect()[0]
+        )
+        metrics["cache_lookups"], metrics["cache_hits"] = int(probe["lookups"] or 0), int(probe["hits"] or 0)
         found = hit
         miss_buckets = [
             int(r["b"])
@@ -521,9 +528,9 @@ class Joiner:
                 "joined": outcome_counts.get(0, 0) + outcome_counts.get(1, 0),
                 "won_again": outcome_counts.get(1, 0),
                 "wasted": outcome_counts.get(2, 0),
-                "retried": self.spark.read.parquet(str(retry_dir)).count(),
-                "unjoinable": self.spark.read.parquet(str(stage / UNJOINABLE)).count(),
-                "quarantined": self.spark.read.parquet(str(stage / QUARANTINE)).count() if bad is not None else 0,
+                "retried": _parquet_rows(retry_dir),
+                "unjoinable": _parquet_rows(stage / UNJOINABLE),
+                "quarantined": _parquet_rows(stage / QUARANTINE),
                 "registry_txns": int(st[0]),
                 "registry_rows": int(st[1]),
                 "registry_retries": int(st[2]),
@@ -541,7 +548,7 @@ class Joiner:
         self.consumed.update(files)
         self.retry_dir = retry_dir
         self.last_batch = k
-        for df in (cand, looked, miss, registered):
+        for df in (looked, miss, registered):
             df.unpersist()
         log.info("%s batch %d: %s", self.dc, k, metrics)
         return BatchResult(k, metrics)
@@ -567,6 +574,13 @@ class Joiner:
                 os.replace(part, dst / f"{self._tag(k, epoch)}-{i:03d}.parquet")
         shutil.rmtree(stage, ignore_errors=True)
         self.state.mark_published(k)
+
+
+def _parquet_rows(folder: Path) -> int:
+    """Rows written under a folder, from the Parquet footers: no Spark job needed to count what was written."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in folder.rglob("*.parquet")) if folder.is_dir() else 0
 
 
 class _NumpyAcc:
