@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test unit lint demo bench-registry bench-generator bench-pipeline lock clean-state
+.PHONY: setup test lint demo bench-registry bench-generator bench-pipeline lock clean-state
 
 setup: $(VENV)/.ready
 

@@ -28,7 +28,6 @@ import pyarrow.parquet as pq
 from photon.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
 
 SAMPLE = 10
-MANIFEST_DIR = "_manifest"
 
 
 @dataclass

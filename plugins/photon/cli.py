@@ -190,9 +190,10 @@ def audit_cmd(
     """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
     Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
     from photon.audit import audit
+    from photon.schemas import MANIFEST_DIR
 
-    if manifest is None and logs is not None and (logs / "_manifest" / "clicks.parquet").exists():
-        manifest = logs / "_manifest"
+    if manifest is None and logs is not None and (logs / MANIFEST_DIR / "clicks.parquet").exists():
+        manifest = logs / MANIFEST_DIR
     spark = None
     if manifest is None:
         if logs is None:

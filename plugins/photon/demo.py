@@ -111,13 +111,13 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     dc-b's replica; both joiners at once; then the independent audit."""
     import shutil
     import threading
-    from pathlib import Path
 
     from photon.audit import audit
     from photon.cli import print_audit
     from photon.generator import GeneratorSettings, Outage, generate
     from photon.joiner import Joiner, JoinSettings
     from photon.pg import create_database, with_dbname
+    from photon.schemas import MANIFEST_DIR
     from photon.settings import load_settings
     from photon.spark_session import get_spark
 
@@ -177,12 +177,11 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
         t.join()
     if errors:
         raise errors[0]
-    report = audit(out, manifest=logs / "_manifest")
+    report = audit(out, manifest=logs / MANIFEST_DIR)
     print_audit(report)
-    shutil.rmtree(logs, ignore_errors=True) if report.ok else None
-    console.print(
-        f"output kept in {Path(out)}; audit again with `photon audit --out {out} --manifest {logs / '_manifest'}`"
-        if not report.ok
-        else f"output kept in {out}"
-    )
+    if report.ok:
+        shutil.rmtree(logs, ignore_errors=True)  # the logs are only needed to look into a failure
+        console.print(f"output kept in {out}")
+    else:
+        console.print(f"logs and output kept: `photon audit --out {out} --logs {logs}` audits them again")
     return report.ok

@@ -31,10 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.schemas import MAX_LINE_BYTES
+from photon.schemas import MANIFEST_DIR, MAX_LINE_BYTES
 
 US = 1_000_000
-MANIFEST_DIR = "_manifest"
 KINDS = ("queries", "clicks")
 MALFORMED_KINDS = ("truncated", "wrong_type", "missing_id", "bad_id", "invalid_utf8", "not_an_object", "huge")
 _WORDS = tuple(
@@ -512,12 +511,14 @@ def write_file(path: Path, data: bytes | memoryview) -> None:
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
+    """A second replica of a closed file: a hard link where the file system allows one, else a copy."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".inprogress")
     try:
         os.link(src, tmp)
     except OSError:
-        tmp.write_bytes(src.read_bytes())
+        write_file(dst, src.read_bytes())
+        return
     os.replace(tmp, dst)
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+# The generator's ground truth lives beside the logs it describes: <logs>/_manifest/.
+MANIFEST_DIR = "_manifest"
+
 JOINED = "joined"
 UNJOINABLE = "unjoinable"
 QUARANTINE = "quarantine"
