@@ -67,28 +67,54 @@ class EventKeys:
         arr = _as_string_array(ids)
         if len(arr) == 0:
             return cls.empty()
-        parts = pc.extract_regex(arr, _NAMED_REGEX)
-        bad = pc.is_null(parts).to_numpy(zero_copy_only=False)
-        if bad.any():
-            # Fill the holes so the casts below run; the error is raised after collecting every problem.
-            filler = pa.scalar({"a": "0", "b": "0", "c": "0", "d": "0", "pid": "0", "ts": "0"}, parts.type)
-            parts = pc.fill_null(parts, filler)
-        fields = {
-            name: pc.struct_field(parts, name).cast(pa.int64()).to_numpy() for name in ("a", "b", "c", "d", "pid", "ts")
-        }
-        octets_bad = (fields["a"] > 255) | (fields["b"] > 255) | (fields["c"] > 255) | (fields["d"] > 255)
-        pid_bad = fields["pid"] > MAX_PID
-        problems_mask = bad | octets_bad | pid_bad
-        if problems_mask.any():
-            raise InvalidEventIdError(_describe(arr, bad, octets_bad, pid_bad), int(problems_mask.sum()))
-        ip = (fields["a"] << 24) | (fields["b"] << 16) | (fields["c"] << 8) | fields["d"]
-        return cls(np.ascontiguousarray(fields["ts"]), _to_src(ip, fields["pid"]))
+        f = _id_fields(arr)
+        if f.problems.any():
+            raise InvalidEventIdError(_describe(arr, f.bad, f.octets_bad, f.pid_bad), int(f.problems.sum()))
+        return cls(np.ascontiguousarray(f.ts), _to_src(f.ip, f.pid))
 
     def to_ids(self) -> list[str]:
         return [format_id(t, s) for t, s in zip(self.ts_us.tolist(), self.src.tolist(), strict=True)]
 
     def take(self, index: np.ndarray) -> EventKeys:
         return EventKeys(self.ts_us[index], self.src[index])
+
+
+@dataclass(frozen=True)
+class _IdFields:
+    ts: np.ndarray
+    ip: np.ndarray
+    pid: np.ndarray
+    bad: np.ndarray  # not canonical (or null)
+    octets_bad: np.ndarray
+    pid_bad: np.ndarray
+
+    @property
+    def problems(self) -> np.ndarray:
+        return self.bad | self.octets_bad | self.pid_bad
+
+
+def _id_fields(arr: pa.Array) -> _IdFields:
+    parts = pc.extract_regex(arr, _NAMED_REGEX)
+    bad = pc.is_null(parts).to_numpy(zero_copy_only=False)
+    if bad.any():
+        # Fill the holes so the casts below run; callers decide what to do with the bad positions.
+        filler = pa.scalar({"a": "0", "b": "0", "c": "0", "d": "0", "pid": "0", "ts": "0"}, parts.type)
+        parts = pc.fill_null(parts, filler)
+    f = {name: pc.struct_field(parts, name).cast(pa.int64()).to_numpy() for name in ("a", "b", "c", "d", "pid", "ts")}
+    octets_bad = (f["a"] > 255) | (f["b"] > 255) | (f["c"] > 255) | (f["d"] > 255)
+    ip = (f["a"] << 24) | (f["b"] << 16) | (f["c"] << 8) | f["d"]
+    return _IdFields(f["ts"], ip, f["pid"], bad, octets_bad, f["pid"] > MAX_PID)
+
+
+def valid_ids(ids: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(valid, ts_us) per position of a string column: valid where the id is canonical and in range (nulls are
+    invalid); ts_us is the id's timestamp (0 where invalid). Never raises: for screening whole columns."""
+    arr = _as_string_array(ids)
+    if len(arr) == 0:
+        return np.zeros(0, bool), np.zeros(0, np.int64)
+    f = _id_fields(arr)
+    ok = ~f.problems
+    return ok, np.where(ok, f.ts, 0)
 
 
 def _as_string_array(ids: Iterable[object] | pa.Array | pa.ChunkedArray) -> pa.Array:

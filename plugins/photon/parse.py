@@ -1,15 +1,28 @@
 """Parsing log lines into events, or into quarantine records with a reason. Runs in Spark executors (one call per
-input file's bytes), so it is plain Python over one file at a time and returns Arrow tables."""
+input file's bytes) and returns Arrow tables.
+
+Two paths give the same answer. ``parse_line``-level functions (``parse_query``, ``parse_click``) are the reference:
+plain ``json`` and explicit checks, with the reason a line is malformed. ``parse_file`` runs Arrow's JSON reader over
+chunks of lines and screens the result with vectorised checks; a chunk Arrow refuses, whose row count differs from
+its line count, or with an empty or over-long line, and every row the screen doubts, go through the reference path
+line by line. Arrow is strict (a number where a string belongs, a float for an integer, a duplicate key or bad UTF-8
+fail the chunk), so a row it accepts and the screen passes is one the reference accepts with the same values; a
+test holds the two paths equal on every malformed kind the generator makes.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
 
-from photon.ids import ID_REGEX
+from photon.ids import ID_REGEX, valid_ids
 from photon.schemas import MAX_LINE_BYTES, RAW_CAP_BYTES
 
 _ID = re.compile(ID_REGEX)
@@ -59,12 +72,16 @@ def _int(v: Any, what: str) -> int:
 def _str(v: Any, what: str) -> str:
     if not isinstance(v, str) or not v:
         raise Malformed(f"{what} is not a non-empty string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Malformed(f"{what} holds an escaped lone surrogate, not Unicode text") from None
     return v
 
 
 def _event_id(v: Any, what: str, ts_us: int | None = None) -> str:
     s = _str(v, what)
-    if not _ID.match(s):
+    if not _ID.fullmatch(s):
         raise Malformed(f"{what} is not a canonical <ipv4>-<pid>-<ts_us>")
     parts = s.split("-")[0].split(".")
     if any(int(p) > 255 for p in parts) or int(s.split("-")[1]) > 2**32 - 1:
@@ -128,16 +145,24 @@ def parse_click(line: bytes) -> dict[str, Any]:
     }
 
 
-def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
-    """(events, quarantine records) of one closed log file. A file not ending in a newline has a torn last
-    line; closed files end in one, so a missing newline only happens to a corrupt file: the tail is malformed."""
-    parser, schema = (parse_query, QUERY_FIELDS) if kind == "queries" else (parse_click, CLICK_FIELDS)
-    good: list[dict[str, Any]] = []
-    bad: dict[str, list[Any]] = {f.name: [] for f in BAD_FIELDS}
+def parse_file_by_line(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
+    """The reference path: every line through ``json`` and the explicit checks."""
     lines = content.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    for number, line in enumerate(lines, start=1):
+    good, bad = _by_line_numbers(name, kind, lines, range(len(lines)))
+    return _good_table(good, kind), pa.table(bad, schema=BAD_FIELDS)
+
+
+def _by_line_numbers(
+    name: str, kind: str, lines: list[bytes], index: Sequence[int]
+) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """Reference-parse ``lines``; ``index`` holds their 0-based positions in the file (reported 1-based)."""
+    parser = parse_query if kind == "queries" else parse_click
+    good: list[dict[str, Any]] = []
+    bad: dict[str, list[Any]] = {f.name: [] for f in BAD_FIELDS}
+    for i, line in zip(index, lines, strict=True):
+        number = i + 1
         try:
             good.append(parser(line))
         except Malformed as exc:
@@ -146,4 +171,128 @@ def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table
             bad["raw"].append(line[:RAW_CAP_BYTES])
             bad["raw_bytes"].append(len(line))
             bad["reason"].append(str(exc))
-    return pa.Table.from_pylist(good, schema=schema), pa.table(bad, schema=BAD_FIELDS)
+    return good, bad
+
+
+def _good_table(rows: list[dict[str, Any]], kind: str) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=QUERY_FIELDS if kind == "queries" else CLICK_FIELDS)
+
+
+CHUNK_LINES = 4096  # lines per Arrow read; a refused chunk is split where Arrow says, or halved
+SUB_CHUNK_LINES = 8  # below this, a refused range goes line by line
+_READ = pj.ReadOptions(use_threads=False, block_size=1 << 26)
+_PARSE = {
+    kind: pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore", newlines_in_values=False)
+    for kind, schema in (("queries", QUERY_FIELDS), ("clicks", CLICK_FIELDS))
+}
+
+
+def _non_empty(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return pc.fill_null(pc.greater(pc.binary_length(col), 0), False).to_numpy(zero_copy_only=False)
+
+
+def _screen(t: pa.Table, kind: str) -> np.ndarray:
+    """Rows of an Arrow-parsed chunk that certainly pass the reference checks (False means: ask the reference)."""
+    ts = t.column("ts_us")
+    ok = pc.is_valid(ts).to_numpy(zero_copy_only=False)
+    ts_np = pc.fill_null(ts, 0).to_numpy()
+    own, other = ("query_id", None) if kind == "queries" else ("click_id", "query_id")
+    valid, id_ts = valid_ids(t.column(own))
+    ok &= valid & (id_ts == ts_np)
+    if other:
+        ok &= valid_ids(t.column(other))[0]
+    for name in ("ad_id",) if kind == "clicks" else ("user_id", "query_text", "country"):
+        ok &= _non_empty(t.column(name))
+    if kind == "queries":
+        ads = t.column("ads").combine_chunks()
+        ok &= pc.fill_null(pc.greater(pc.list_value_length(ads), 0), False).to_numpy(zero_copy_only=False)
+        flat = pc.list_flatten(ads)
+        if len(flat):
+            ad_ok = (
+                pc.is_valid(flat).to_numpy(zero_copy_only=False)
+                & _non_empty(pc.struct_field(flat, "ad_id"))
+                & _non_empty(pc.struct_field(flat, "advertiser_id"))
+                & pc.is_valid(pc.struct_field(flat, "bid_micros")).to_numpy(zero_copy_only=False)
+            )
+            parents = pc.list_parent_indices(ads).to_numpy()
+            ok[np.unique(parents[~ad_ok])] = False
+    return ok
+
+
+_ROW = re.compile(r" in row (\d+)")
+
+
+def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
+    """(events, quarantine records) of one closed log file. Events keep line order except for lines the reference
+    path decided. A file not ending in a newline has a torn last line; closed files end in one, so a missing
+    newline only happens to a corrupt file: the tail is malformed."""
+    if not content:
+        return parse_file_by_line(name, content, kind)
+    buf = np.frombuffer(content, np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    if buf[-1] != 10:
+        ends = np.append(ends, len(content))
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts
+    whole = pa.py_buffer(content)
+    parsed: list[tuple[pa.Table, int]] = []  # Arrow's rows for lines [first, first + rows)
+    doubt: list[int] = []  # lines for the reference path
+
+    def arrow(a: int, b: int) -> tuple[pa.Table | None, int | None]:
+        """Arrow's reading of lines [a, b), or None and, where Arrow names it, the line it choked on."""
+        lo, hi = int(starts[a]), int(min(ends[b - 1] + 1, len(content)))
+        try:
+            content[lo:hi].decode("utf-8")  # Arrow does not check UTF-8 inside strings
+        except UnicodeDecodeError as exc:
+            return None, int(np.searchsorted(starts, lo + exc.start, side="right")) - 1
+        try:
+            t = pj.read_json(pa.BufferReader(whole[lo:hi]), read_options=_READ, parse_options=_PARSE[kind])
+        except pa.ArrowInvalid as exc:
+            m = _ROW.search(str(exc))
+            return None, (a + int(m.group(1)) if m and a + int(m.group(1)) < b else None)
+        return (t, None) if t.num_rows == b - a else (None, None)  # e.g. two objects on one line
+
+    def run(a: int, b: int) -> None:
+        while a < b:
+            t, culprit = arrow(a, b)
+            if t is not None:
+                parsed.append((t, a))
+                return
+            if culprit is not None:  # Arrow named the line: the lines before it, it alone, then the rest
+                if culprit > a:
+                    run(a, culprit)
+                doubt.append(culprit)
+                a = culprit + 1
+            elif b - a <= SUB_CHUNK_LINES:
+                doubt.extend(range(a, b))
+                return
+            else:
+                mid = (a + b) // 2
+                run(a, mid)
+                a = mid
+        return
+
+    # Lines that are empty, too long or do not start with "{" never reach Arrow: it skips blank lines, and
+    # pyarrow 26 crashes (SIGSEGV) on a nested explicit schema when the first value it reads is a top-level null.
+    first_byte = buf[np.minimum(starts, len(buf) - 1)]
+    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{"))
+    doubt.extend(np.flatnonzero(odd).tolist())
+    edges = np.flatnonzero(odd)
+    a = 0
+    for stop in [*edges.tolist(), len(starts)]:
+        for lo in range(a, stop, CHUNK_LINES):
+            run(lo, min(lo + CHUNK_LINES, stop))
+        a = stop + 1
+
+    schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
+    pieces: list[pa.Table] = []
+    if parsed:
+        table = pa.concat_tables([t for t, _ in parsed]).select(schema.names).cast(schema)
+        lines = np.concatenate([np.arange(first, first + t.num_rows) for t, first in parsed])
+        ok = _screen(table, kind)
+        pieces.append(table.filter(pa.array(ok)))
+        doubt.extend(lines[~ok].tolist())
+    doubt.sort()
+    good, bad = _by_line_numbers(name, kind, [content[starts[i] : ends[i]] for i in doubt], doubt)
+    pieces.append(_good_table(good, kind))
+    return pa.concat_tables(pieces).combine_chunks(), pa.table(bad, schema=BAD_FIELDS)
