@@ -17,7 +17,10 @@ Q = (
     b'{"query_id": "10.1.2.3-7-1763700000000001", "ts_us": 1763700000000001, "user_id": "u1", "query_text": "tea", '
     b'"country": "DE", "ads": [{"ad_id": "a1", "advertiser_id": "x1", "bid_micros": 5}]}'
 )
-C = b'{"click_id": "10.1.2.3-7-1763700000000009", "ts_us": 1763700000000009, "query_id": "10.1.2.3-7-1763700000000001", "ad_id": "a1"}'
+C = (
+    b'{"click_id": "10.1.2.3-7-1763700000000009", "ts_us": 1763700000000009, '
+    b'"query_id": "10.1.2.3-7-1763700000000001", "ad_id": "a1"}'
+)
 
 # Lines the generator does not write but a real log might hold; each is malformed unless marked ok.
 QUERY_CASES = [
@@ -32,7 +35,8 @@ QUERY_CASES = [
     b"",  # an empty line
     b"   ",
     b"[1, 2]",
-    b"null",
+    b"null",  # first in a file this crashed pyarrow 26's reader with a nested schema
+    b"null " + Q,
     Q.replace(b'"10.1.2.3-7-1763700000000001"', b'"10.1.2.3-7-1763700000000001\\n"'),  # id with a newline
     Q.replace(b'"10.1.2.3-7-1763700000000001"', b'"010.1.2.3-7-1763700000000001"'),  # non-canonical id
     Q.replace(b'"10.1.2.3-7-1763700000000001"', b'"10.1.2.300-7-1763700000000001"'),
@@ -83,7 +87,7 @@ def test_odd_lines_between_good_ones(kind: str, line: bytes, cases: list[bytes])
     # All odd lines together, and a torn last line without its newline.
     content = b"\n".join([line, *cases, line]) + b"\n" + line[:40]
     good, bad = _same("all.jsonl", content, kind)
-    assert bad >= len(cases) - 3
+    assert good >= 2 and bad >= len(cases) - 3
 
 
 def test_generated_logs_with_every_malformed_kind(tmp_path: Path) -> None:
