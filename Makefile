@@ -3,7 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 REQ_HASH := $(shell cat requirements.txt | sha256sum | cut -c1-16)
 # The environment is cached outside the clone, keyed by the requirements' hash, so a fresh clone reuses it.
-VENV_ROOT ?= $(HOME)/.cache/photon/venvs
+# As root, the embedded PostgreSQL runs as an unprivileged user that must reach the venv's server binaries, and
+# root's home is private (700): so root's cache lives under /var/tmp instead.
+VENV_ROOT ?= $(if $(filter 0,$(shell id -u)),/var/tmp/photon/venvs,$(HOME)/.cache/photon/venvs)
 VENV := $(VENV_ROOT)/$(REQ_HASH)
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)

@@ -31,17 +31,33 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
-from photon.parse import BAD_FIELDS, CLICK_FIELDS, QUERY_FIELDS, parse_file
+from photon.parse import parse_file
 from photon.pipeline_state import Lease, PipelineState
-from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
 
 log = logging.getLogger(__name__)
 US = 1_000_000
 
 REASON_TOO_LATE = "query not found within the maximum join delay"
 REASON_GC = "older than the registry's garbage-collection threshold"
+JOIN_COUNTS = (
+    "clicks",
+    "retries_in",
+    "prefiltered",
+    "cache_lookups",
+    "cache_hits",
+    "joined",
+    "won_again",
+    "wasted",
+    "unjoinable",
+    "retried",
+    "registry_txns",
+    "registry_rows",
+    "registry_retries",
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,25 @@ def _maybe_crash(point: str, batch_seq: int) -> None:
 
 _REGISTRIES: dict[tuple[tuple[str, str], ...], Any] = {}
 
+CANDIDATE = pa.schema(
+    [
+        ("click_id", pa.string()),
+        ("click_ts_us", pa.int64()),
+        ("query_id", pa.string()),
+        ("ad_id", pa.string()),
+        ("attempts", pa.int32()),
+        ("first_seen_us", pa.int64()),
+        ("due_us", pa.int64()),
+    ]
+)
+QUERY_TASK = pa.schema([("queries", pa.int64()), ("quarantined", pa.int64())])
+JOIN_TASK = pa.schema(
+    [
+        *[(name, pa.int64()) for name in JOIN_COUNTS],
+        ("latencies_s", pa.list_(pa.float64())),
+    ]
+)
+
 
 def _registry(servers: Mapping[str, str]) -> Any:
     """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
@@ -84,68 +119,245 @@ def _registry(servers: Mapping[str, str]) -> Any:
     return _REGISTRIES[key]
 
 
-def _parser(kind: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
-    out_schema = pa.schema([*schema, pa.field("bad", pa.struct(list(BAD_FIELDS)))])
-
-    def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        bad_type = pa.struct(list(BAD_FIELDS))
-        for batch in batches:
-            paths, contents = batch.column("path").to_pylist(), batch.column("content").to_pylist()
-            for path, content in zip(paths, contents, strict=True):
-                good, bad = parse_file(path.rsplit("/", 1)[-1], content, kind)
-                if good.num_rows:
-                    yield from good.append_column("bad", pa.nulls(good.num_rows, bad_type)).to_batches()
-                if bad.num_rows:
-                    struct = pa.StructArray.from_arrays(
-                        [bad.column(i).combine_chunks() for i in range(bad.num_columns)], fields=list(BAD_FIELDS)
-                    )
-                    empty = [pa.nulls(bad.num_rows, f.type) for f in schema]
-                    yield from pa.table([*empty, struct], schema=out_schema).to_batches()
-
-    return parse
+def _quarantine(bad: pa.Table, dc: str, kind: str, now: int) -> pa.Table:
+    n = bad.num_rows
+    cols = {
+        "pipeline": pa.array([dc] * n, pa.string()),
+        "kind": pa.array([kind] * n, pa.string()),
+        **{name: bad.column(name) for name in ("file", "line", "raw", "raw_bytes", "reason")},
+        "decided_at_us": pa.array(np.full(n, now, np.int64)),
+    }
+    return pa.table(cols, schema=QUARANTINE_SCHEMA)
 
 
-def _lookup_fn(servers: Mapping[str, str]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def lookup(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        reg = _registry(servers)
-        for batch in batches:
-            if batch.num_rows == 0:
+def _indices(batches: Iterator[pa.RecordBatch]) -> Iterator[int]:
+    for batch in batches:
+        yield from batch.column("id").to_pylist()
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What every task of a batch needs: plain values, shipped to the executors with the function."""
+
+    dc: str
+    tag: str
+    now: int
+    stage: str
+    state: str
+    servers: tuple[tuple[str, str], ...]
+    token: int
+    bucket_s: int
+    cache_buckets: int
+    max_join_delay_us: int
+    retry_base_s: float
+    retry_max_s: float
+    adapter: str
+
+
+def _query_task(t: _Task, paths: list[str]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Parse query files and store their queries by bucket (staged with the batch); quarantine malformed lines."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from photon.eventstore import atomic_write, write_queries
+
+        stage = Path(t.stage)
+        for i in _indices(batches):
+            path = Path(paths[i])
+            good, bad = parse_file(path.name, path.read_bytes(), "queries")
+            if good.num_rows:
+                write_queries(good, stage / "eventstore", f"{t.tag}-q{i:06d}", t.bucket_s)
+            if bad.num_rows:
+                atomic_write(_quarantine(bad, t.dc, "queries", t.now), stage / QUARANTINE / f"{t.tag}-q{i:06d}.parquet")
+            yield pa.RecordBatch.from_pydict({"queries": [good.num_rows], "quarantined": [bad.num_rows]}, QUERY_TASK)
+
+    return run
+
+
+def _source_task(
+    t: _Task, sources: list[tuple[str, str]]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Candidates of a batch: clicks parsed from new files (malformed lines quarantined), and the retry set."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        from photon.eventstore import atomic_write
+
+        for i in _indices(batches):
+            kind, path_s = sources[i]
+            path = Path(path_s)
+            if kind == "retries":
+                yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
-            res = reg.lookup(batch.column("click_id"))
-            yield batch.append_column("reg_token", pa.array(np.where(res.registered, res.tokens, -1))).append_column(
-                "too_old", pa.array(res.too_old)
+            good, bad = parse_file(path.name, path.read_bytes(), "clicks")
+            if bad.num_rows:
+                atomic_write(
+                    _quarantine(bad, t.dc, "clicks", t.now), Path(t.stage) / QUARANTINE / f"{t.tag}-c{i:06d}.parquet"
+                )
+            n = good.num_rows
+            if n:
+                yield from pa.Table.from_pydict(
+                    {
+                        "click_id": good.column("click_id"),
+                        "click_ts_us": good.column("ts_us"),
+                        "query_id": good.column("query_id"),
+                        "ad_id": good.column("ad_id"),
+                        "attempts": pa.array(np.zeros(n, np.int32)),
+                        "first_seen_us": pa.array(np.full(n, t.now, np.int64)),
+                        "due_us": pa.array(np.full(n, t.now, np.int64)),
+                    },
+                    CANDIDATE,
+                ).to_batches()
+
+    return run
+
+
+def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Steps 2-6 for one partition of candidates (all copies of a click id land in the same partition)."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        part = ctx.partitionId() if ctx is not None else 0
+        rows = pa.Table.from_batches(list(batches), CANDIDATE)
+        counts, latencies = join_partition(t, rows, part)
+        yield pa.RecordBatch.from_pydict(
+            {**{k: [v] for k, v in counts.items()}, "latencies_s": [latencies.tolist()]}, JOIN_TASK
+        )
+
+    return run
+
+
+def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int], np.ndarray]:
+    """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition.
+    Returns the partition's counts and the joined clicks' latencies."""
+    from photon.eventstore import atomic_write, cache_for
+    from photon.owners import Token
+    from photon.registry import Outcome
+
+    counts = dict.fromkeys(JOIN_COUNTS, 0)
+    stage, state = Path(t.stage), Path(t.state)
+    name = f"{t.tag}-p{part:04d}.parquet"
+    # One row per click id: a due copy first, then the earliest seen.
+    rows = rows.append_column("_due", pc.less_equal(rows.column("due_us"), t.now))
+    rows = rows.append_column("_i", pa.array(np.arange(rows.num_rows, dtype=np.int64)))
+    order = rows.sort_by([("click_id", "ascending"), ("_due", "descending"), ("first_seen_us", "ascending")])
+    first = order.group_by("click_id", use_threads=False).aggregate([("_i", "first")]).column("_i_first")
+    rows = rows.take(first)
+    due_mask = rows.column("_due").to_numpy(zero_copy_only=False)
+    waiting = rows.filter(pa.array(~due_mask)).select(CANDIDATE.names)
+    due = rows.filter(pa.array(due_mask)).select(CANDIDATE.names)
+    counts["clicks"] = due.num_rows
+    counts["retries_in"] = int(np.count_nonzero(due.column("attempts").to_numpy() > 0))
+    unjoinable: list[pa.Table] = []
+    retry = [waiting]
+    latencies = np.zeros(0)
+
+    def give_up(rows: pa.Table, reason: pa.Array | str) -> None:
+        n = rows.num_rows
+        if n:
+            unjoinable.append(
+                pa.table(
+                    {
+                        "click_id": rows.column("click_id"),
+                        "query_id": rows.column("query_id"),
+                        "ad_id": rows.column("ad_id"),
+                        "click_ts_us": rows.column("click_ts_us"),
+                        "decided_at_us": pa.array(np.full(n, t.now, np.int64)),
+                        "pipeline": pa.array([t.dc] * n, pa.string()),
+                        "reason": reason if isinstance(reason, pa.Array) else pa.array([reason] * n, pa.string()),
+                    },
+                    schema=UNJOINABLE_SCHEMA,
+                )
             )
 
-    return lookup
-
-
-def _register_fn(
-    servers: Mapping[str, str], token_value: int, stats: Any
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def register(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from photon.owners import Token
-
-        reg = _registry(servers)
-        token = Token.from_value(token_value)
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            res = reg.register(batch.column("click_id"), token)
-            stats.add(np.array([len(res.shards), sum(s.rows for s in res.shards), res.retries], dtype=np.int64))
-            yield batch.append_column("outcome", pa.array(res.outcomes, pa.int8()))
-
-    return register
-
-
-def _adapter_fn(path: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def adapt(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        fn = load_adapter(path)
-        for batch in batches:
-            if batch.num_rows:
-                yield fn(batch)
-
-    return adapt
+    if due.num_rows:
+        reg = _registry(dict(t.servers))
+        # 2. registry pre-filter: someone else's click is dropped; ours (a retry after a crash) goes on.
+        found = reg.lookup(due.column("click_id"))
+        taken = found.registered & (found.tokens != t.token)
+        counts["prefiltered"] = int(np.count_nonzero(taken))
+        give_up(due.filter(pa.array(~taken & found.too_old)), REASON_GC)
+        live = due.filter(pa.array(~taken & ~found.too_old))
+        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries.
+        cache = cache_for(state / "eventstore", t.cache_buckets)
+        queries, hit, stats = cache.lookup(
+            live.column("query_id").combine_chunks(), t.bucket_s, (stage / "eventstore",)
+        )
+        counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
+        miss = live.filter(pa.array(~hit))
+        live_hit = live.filter(pa.array(hit))
+        q = queries.filter(pa.array(hit))
+        # 4. adapter.
+        adapted = pa.Table.from_batches(
+            [
+                load_adapter(t.adapter)(
+                    pa.RecordBatch.from_pydict(
+                        {
+                            "click_id": live_hit.column("click_id").combine_chunks(),
+                            "click_ts_us": live_hit.column("click_ts_us").combine_chunks(),
+                            "query_id": live_hit.column("query_id").combine_chunks(),
+                            "ad_id": live_hit.column("ad_id").combine_chunks(),
+                            "query_ts_us": q.column("ts_us").combine_chunks(),
+                            "user_id": q.column("user_id").combine_chunks(),
+                            "query_text": q.column("query_text").combine_chunks(),
+                            "country": q.column("country").combine_chunks(),
+                            "ads": q.column("ads").combine_chunks(),
+                        }
+                    )
+                )
+            ]
+            if live_hit.num_rows
+            else [],
+            ADAPTED_SCHEMA,
+        )
+        filtered = pc.is_valid(adapted.column("reason")).to_numpy(zero_copy_only=False)
+        give_up(adapted.filter(pa.array(filtered)), adapted.column("reason").filter(pa.array(filtered)))
+        keep = adapted.filter(pa.array(~filtered))
+        # 5. registration: one transaction per shard, under the batch's token.
+        if keep.num_rows:
+            res = reg.register(keep.column("click_id"), Token.from_value(t.token))
+            counts["registry_txns"] += len(res.shards)
+            counts["registry_rows"] += sum(s.rows for s in res.shards)
+            counts["registry_retries"] += res.retries
+            outcome = np.asarray(res.outcomes)
+            joined_at = int(time.time() * US)
+            won = (outcome == Outcome.WON) | (outcome == Outcome.WON_AGAIN)
+            counts["won_again"] = int(np.count_nonzero(outcome == Outcome.WON_AGAIN))
+            counts["wasted"] = int(np.count_nonzero(outcome == Outcome.LOST))
+            give_up(keep.filter(pa.array(outcome == Outcome.TOO_OLD)), REASON_GC)
+            out = keep.filter(pa.array(won))
+            n = out.num_rows
+            if n:
+                out = out.drop_columns(["reason"])
+                out = out.append_column("joined_at_us", pa.array(np.full(n, joined_at, np.int64)))
+                out = out.append_column("pipeline", pa.array([t.dc] * n, pa.string()))
+                atomic_write(out.select(JOINED_SCHEMA.names).cast(JOINED_SCHEMA), stage / JOINED / name)
+                latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
+            counts["joined"] = n
+        # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay.
+        late = t.now - miss.column("click_ts_us").to_numpy() > t.max_join_delay_us
+        give_up(miss.filter(pa.array(late)), REASON_TOO_LATE)
+        again = miss.filter(pa.array(~late))
+        attempts = again.column("attempts").to_numpy()
+        backoff = np.minimum(t.retry_max_s, t.retry_base_s * np.power(2.0, attempts))
+        again = again.set_column(
+            again.schema.get_field_index("attempts"), "attempts", pa.array(attempts + 1, pa.int32())
+        )
+        again = again.set_column(
+            again.schema.get_field_index("due_us"), "due_us", pa.array((t.now + backoff * US).astype(np.int64))
+        )
+        retry.append(again)
+    if unjoinable:
+        table = pa.concat_tables(unjoinable)
+        counts["unjoinable"] = table.num_rows
+        atomic_write(table, stage / UNJOINABLE / name)
+    retries = pa.concat_tables(retry)
+    counts["retried"] = retries.num_rows
+    if retries.num_rows:
+        atomic_write(retries.cast(CANDIDATE), state / "retries" / t.tag / name)
+    return counts, latencies
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
@@ -172,7 +384,6 @@ class Joiner:
         self.lease: Lease | None = None
         self.last_batch = 0  # last batch committed (by this lease or before it)
         self.consumed: set[tuple[str, str]] = set()
-        self.cache: Any = None
         self.retry_dir: Path | None = None
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -195,41 +406,12 @@ class Joiner:
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
-        self._load_cache()
         log.info("%s: lease epoch %d, last batch %d", self.dc, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
     @staticmethod
     def _tag(batch: int, epoch: int) -> str:
         return f"b{batch:010d}-e{epoch}"
-
-    def _store(self) -> Any:
-        """The stored EventStore (committed batches only: files are published there after the commit)."""
-        root = self.state_dir / "eventstore"
-        if not root.is_dir() or not any(root.glob("bucket=*/*.parquet")):
-            return None
-        return self.spark.read.parquet(str(root))
-
-    def _load_cache(self) -> None:
-        from pyspark.sql import functions as F
-
-        now_bucket = int(time.time()) // self.s.bucket_s
-        stored = self._store()
-        if stored is not None:
-            df = stored.where(F.col("bucket") >= now_bucket - self.s.cache_buckets)
-        else:
-            df = self._empty_queries()
-        self._set_cache(df.dropDuplicates(["query_id"]))
-
-    def _set_cache(self, df: Any) -> None:
-        old = self.cache
-        self.cache = df.localCheckpoint(eager=True)
-        if old is not None:
-            old.unpersist()
-
-    def _empty_queries(self) -> Any:
-        schema = self._spark_schema(pa.schema([*QUERY_FIELDS, pa.field("bucket", pa.int64())]))
-        return self.spark.createDataFrame([], schema)
 
     # the loop --------------------------------------------------------------------------------------------
     def run(
@@ -283,11 +465,6 @@ class Joiner:
 
         return listing("queries"), listing("clicks")[: self.s.max_click_files]
 
-    def _retries(self) -> Any:
-        if self.retry_dir is None:
-            return None
-        return self.spark.read.parquet(str(self.retry_dir))
-
     def _retry_counts(self) -> tuple[int, int]:
         """(waiting, due) retries. Asked on every trigger, so it reads the small retry set with Arrow rather than
         starting a Spark job while the joiner is idle."""
@@ -298,279 +475,101 @@ class Joiner:
         due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
         return len(due_us), int(np.count_nonzero(due_us <= int(time.time() * US)))
 
-    def _parse(self, kind: str, names: list[str]) -> tuple[Any, Any]:
-        from pyspark.sql import functions as F
+    def _task(self, k: int, now: int) -> _Task:
+        assert self.lease is not None
+        tag = self._tag(k, self.lease.epoch)
+        return _Task(
+            dc=self.dc,
+            tag=tag,
+            now=now,
+            stage=str(self.staging / tag),
+            state=str(self.state_dir),
+            servers=tuple(sorted(self.servers.items())),
+            token=self.lease.token(k).value,
+            bucket_s=self.s.bucket_s,
+            cache_buckets=self.s.cache_buckets,
+            max_join_delay_us=int(self.s.max_join_delay_s * US),
+            retry_base_s=self.s.retry_base_s,
+            retry_max_s=self.s.retry_max_s,
+            adapter=self.s.adapter,
+        )
 
-        schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
-        spark_schema = self._spark_schema(pa.schema([*schema, pa.field("bad", pa.struct(list(BAD_FIELDS)))]))
-        paths = [str(self.logs / self.dc / kind / n) for n in names]
-        raw = self.spark.read.format("binaryFile").load(paths).select("path", "content")
-        raw = raw.repartition(min(len(paths), max(1, self.s.parallelism * 2)))
-        parsed = raw.mapInArrow(_parser(kind), spark_schema).persist()
-        good = parsed.where(F.col("bad").isNull()).drop("bad")
-        bad = parsed.where(F.col("bad").isNotNull()).select("bad.*").withColumn("kind", F.lit(kind))
-        return good, bad
-
-    def _spark_schema(self, schema: pa.Schema) -> Any:
-        from pyspark.sql.pandas.types import from_arrow_schema
-
-        return from_arrow_schema(schema)
+    def _tasks(self, n: int) -> Any:
+        """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
+        return self.spark.range(0, n, 1, max(1, min(n, self.s.parallelism * 2)))
 
     def run_batch(self, k: int, q_files: list[str], c_files: list[str]) -> BatchResult:
-        from pyspark.sql import functions as F
+        """One micro-batch in at most two Spark jobs: the new queries into the staged EventStore, then the clicks
+        and retries through parse, shuffle by click id, and steps 2-6 in each partition. Only counts and latencies
+        come back to the driver."""
+        from pyspark.sql.pandas.types import from_arrow_schema
 
         assert self.lease is not None
-        lease, s = self.lease, self.s
+        lease = self.lease
         t_start = time.time()
         now = int(t_start * US)
-        tag = self._tag(k, lease.epoch)
-        stage = self.staging / tag
-        token = lease.token(k)
+        t = self._task(k, now)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
 
-        # 1. queries into the EventStore (staged with the batch), clicks and due retries in.
-        bad_frames = []
-        new_q = 0
+        # 1. new queries into the EventStore, staged with the batch (before any click of the batch looks them up).
+        queries = 0
         if q_files:
-            queries, q_bad = self._parse("queries", q_files)
-            bad_frames.append(q_bad)
-            queries = queries.dropDuplicates(["query_id"]).withColumn(
-                "bucket", F.floor(F.col("ts_us") / (s.bucket_s * US)).cast("long")
-            )
-            store = stage / "eventstore"
-            queries.write.mode("overwrite").partitionBy("bucket").parquet(str(store))
-            stored = self.spark.read.parquet(str(store))
-            new_q = _parquet_rows(store)
-            min_bucket = now // US // s.bucket_s - s.cache_buckets
-            self._set_cache(
-                self.cache.unionByName(stored).where(F.col("bucket") >= min_bucket).dropDuplicates(["query_id"])
-            )
-        metrics["queries"] = new_q
-        click_cols = ["click_id", "click_ts_us", "query_id", "ad_id", "attempts", "first_seen_us"]
-        frames = []
-        if c_files:
-            clicks, c_bad = self._parse("clicks", c_files)
-            bad_frames.append(c_bad)
-            frames.append(
-                clicks.dropDuplicates(["click_id"]).select(
-                    "click_id",
-                    F.col("ts_us").alias("click_ts_us"),
-                    "query_id",
-                    "ad_id",
-                    F.lit(0).alias("attempts"),
-                    F.lit(now).cast("long").alias("first_seen_us"),
-                )
-            )
-        retries = self._retries()
-        waiting = None
-        if retries is not None:
-            frames.append(retries.where(F.col("due_us") <= now).select(*click_cols))
-            waiting = retries.where(F.col("due_us") > now)
-        if not frames:
-            frames.append(
-                self.spark.createDataFrame(
-                    [],
-                    "click_id string, click_ts_us long, query_id string, "
-                    "ad_id string, attempts int, first_seen_us long",
-                )
-            )
-        cand = frames[0]
-        for f in frames[1:]:
-            cand = cand.unionByName(f)
-        cand = cand.dropDuplicates(["click_id"])
+            paths = [str(self.logs / self.dc / "queries" / n) for n in q_files]
+            rows = self._tasks(len(paths)).mapInArrow(_query_task(t, paths), from_arrow_schema(QUERY_TASK)).collect()
+            queries = sum(r["queries"] for r in rows)
+        metrics["queries"] = queries
 
-        # 2. registry pre-filter, in executors.
-        looked = (
-            cand.repartition(max(1, s.parallelism))
-            .mapInArrow(
-                _lookup_fn(self.servers),
-                self._spark_schema(
-                    pa.schema(
-                        [
-                            pa.field("click_id", pa.string()),
-                            pa.field("click_ts_us", pa.int64()),
-                            pa.field("query_id", pa.string()),
-                            pa.field("ad_id", pa.string()),
-                            pa.field("attempts", pa.int32()),
-                            pa.field("first_seen_us", pa.int64()),
-                            pa.field("reg_token", pa.int64()),
-                            pa.field("too_old", pa.bool_()),
-                        ]
-                    )
-                ),
+        # 2-6. clicks and every waiting retry, each click id in one partition.
+        sources = [("clicks", str(self.logs / self.dc / "clicks" / n)) for n in c_files]
+        if self.retry_dir is not None:
+            sources += [("retries", str(p)) for p in sorted(self.retry_dir.glob("*.parquet"))]
+        counts = dict.fromkeys(JOIN_COUNTS, 0)
+        latencies: list[float] = []
+        if sources:
+            rows = (
+                self._tasks(len(sources))
+                .mapInArrow(_source_task(t, sources), from_arrow_schema(CANDIDATE))
+                .repartition(max(1, self.s.parallelism), "click_id")
+                .mapInArrow(_join_task(t), from_arrow_schema(JOIN_TASK))
+                .collect()
             )
-            .persist()
-        )
-        taken = (F.col("reg_token") >= 0) & (F.col("reg_token") != token.value)
-        counts = looked.agg(
-            F.count("*").alias("clicks"),
-            F.sum(taken.cast("int")).alias("prefiltered"),
-            F.sum((F.col("attempts") > 0).cast("int")).alias("retries_in"),
-        ).collect()[0]
-        metrics.update({name: int(counts[name] or 0) for name in ("clicks", "prefiltered", "retries_in")})
-        gc_old = looked.where(~taken & F.col("too_old"))
-        live = looked.where(~taken & ~F.col("too_old")).drop("reg_token", "too_old")
-
-        # 3. EventStore lookup: the session's cache of recent buckets, then stored buckets for older queries.
-        q_cols = ["query_id", F.col("ts_us").alias("query_ts_us"), "user_id", "query_text", "country", "ads"]
-        hit = live.join(self.cache.select(*q_cols), "query_id", "inner")
-        miss = live.join(self.cache.select("query_id"), "query_id", "left_anti").persist()
-        probe = (
-            live.join(self.cache.select("query_id", F.lit(1).alias("hit")), "query_id", "left")
-            .agg(F.count("*").alias("lookups"), F.sum(F.coalesce("hit", F.lit(0))).alias("hits"))
-            .collect()[0]
-        )
-        metrics["cache_lookups"], metrics["cache_hits"] = int(probe["lookups"] or 0), int(probe["hits"] or 0)
-        found = hit
-        miss_buckets = [
-            int(r["b"])
-            for r in miss.select(
-                (F.element_at(F.split("query_id", "-"), -1).cast("long") / (s.bucket_s * US)).cast("long").alias("b")
-            )
-            .distinct()
-            .collect()
-        ]
-        stored_all = self._store() if miss_buckets else None
-        if stored_all is not None:
-            stored = stored_all.where(F.col("bucket").isin(miss_buckets)).select(*q_cols).dropDuplicates(["query_id"])
-            found = found.unionByName(miss.join(stored, "query_id", "inner"))
-            miss = miss.join(stored.select("query_id"), "query_id", "left_anti")
-
-        # 4. adapter, then 5. registration in executors.
-        adapted = found.mapInArrow(_adapter_fn(s.adapter), self._spark_schema(ADAPTED_SCHEMA))
-        filtered = adapted.where(F.col("reason").isNotNull())
-        stats = self.spark.sparkContext.accumulator(np.zeros(3, dtype=np.int64), _NumpyAcc())
-        reg_schema = self._spark_schema(pa.schema([*ADAPTED_SCHEMA, pa.field("outcome", pa.int8())]))
-        registered = (
-            adapted.where(F.col("reason").isNull())
-            .coalesce(max(1, s.parallelism))
-            .mapInArrow(_register_fn(self.servers, token.value, stats), reg_schema)
-            .withColumn("joined_at_us", F.lit(int(time.time() * US)).cast("long"))
-            .persist()
-        )
-        outcome_counts = {int(r["outcome"]): int(r["count"]) for r in registered.groupBy("outcome").count().collect()}
+            for r in rows:
+                for name in JOIN_COUNTS:
+                    counts[name] += int(r[name])
+                latencies.extend(r["latencies_s"] or [])
         _maybe_crash("after_register", k)
-
-        # 6. stage output.
-        joined = registered.where(F.col("outcome").isin(0, 1)).withColumn("pipeline", F.lit(self.dc))
-        joined = joined.select(
-            "click_id",
-            "query_id",
-            "ad_id",
-            "click_ts_us",
-            "query_ts_us",
-            "joined_at_us",
-            "pipeline",
-            "user_id",
-            "query_text",
-            "country",
-            "advertiser_id",
-            "bid_micros",
-        )
-        joined.coalesce(1).write.mode("overwrite").parquet(str(stage / JOINED))
-        decided = F.lit(now).cast("long").alias("decided_at_us")
-        give_up = F.lit(now) - F.col("click_ts_us") > int(s.max_join_delay_s * US)
-        unjoinable = (
-            miss.where(give_up)
-            .select("click_id", "query_id", "ad_id", "click_ts_us", decided, F.lit(REASON_TOO_LATE).alias("reason"))
-            .unionByName(
-                gc_old.select("click_id", "query_id", "ad_id", "click_ts_us", decided, F.lit(REASON_GC).alias("reason"))
-            )
-            .unionByName(
-                registered.where(F.col("outcome") == 3).select(
-                    "click_id", "query_id", "ad_id", "click_ts_us", decided, F.lit(REASON_GC).alias("reason")
-                )
-            )
-            .unionByName(filtered.select("click_id", "query_id", "ad_id", "click_ts_us", decided, "reason"))
-            .withColumn("pipeline", F.lit(self.dc))
-            .select("click_id", "query_id", "ad_id", "click_ts_us", "decided_at_us", "pipeline", "reason")
-        )
-        unjoinable.coalesce(1).write.mode("overwrite").parquet(str(stage / UNJOINABLE))
-        bad: Any = None
-        for f in bad_frames:
-            bad = f if bad is None else bad.unionByName(f)
-        if bad is not None:
-            bad.select(
-                F.lit(self.dc).alias("pipeline"),
-                "kind",
-                "file",
-                "line",
-                "raw",
-                "raw_bytes",
-                "reason",
-                F.lit(now).cast("long").alias("decided_at_us"),
-            ).coalesce(1).write.mode("overwrite").parquet(str(stage / QUARANTINE))
-        backoff = F.least(F.lit(float(s.retry_max_s)), F.lit(float(s.retry_base_s)) * F.pow(F.lit(2.0), "attempts"))
-        again = miss.where(~give_up).select(
-            "click_id",
-            "click_ts_us",
-            "query_id",
-            "ad_id",
-            (F.col("attempts") + 1).cast("int").alias("attempts"),
-            "first_seen_us",
-            (F.lit(now) + backoff * US).cast("long").alias("due_us"),
-        )
-        new_retries = again if waiting is None else waiting.select(*again.columns).unionByName(again)
-        retry_dir = self.state_dir / "retries" / tag
-        new_retries.coalesce(1).write.mode("overwrite").parquet(str(retry_dir))
-
-        # 7. metrics, commit, publish.
-        lat = joined.select(((F.col("joined_at_us") - F.col("click_ts_us")) / US).alias("l"))
-        quantiles = (
-            lat.approxQuantile("l", [0.5, 0.9, 0.99], 0.001)
-            if outcome_counts.get(0, 0) + outcome_counts.get(1, 0)
-            else [None, None, None]
-        )
-        st = stats.value
-        metrics.update(
-            {
-                "joined": outcome_counts.get(0, 0) + outcome_counts.get(1, 0),
-                "won_again": outcome_counts.get(1, 0),
-                "wasted": outcome_counts.get(2, 0),
-                "retried": _parquet_rows(retry_dir),
-                "unjoinable": _parquet_rows(stage / UNJOINABLE),
-                "quarantined": _parquet_rows(stage / QUARANTINE),
-                "registry_txns": int(st[0]),
-                "registry_rows": int(st[1]),
-                "registry_retries": int(st[2]),
-                "latency_p50_s": quantiles[0],
-                "latency_p90_s": quantiles[1],
-                "latency_p99_s": quantiles[2],
-            }
-        )
+        metrics.update(counts)
+        metrics["quarantined"] = _parquet_rows(Path(t.stage) / QUARANTINE)
+        q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
+        metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
         metrics["duration_s"] = time.time() - t_start
+
+        # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
         _maybe_crash("before_commit", k)
         self.state.commit(lease, k, files, metrics)
         _maybe_crash("after_commit", k)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
-        self.retry_dir = retry_dir
+        self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
-        for df in (looked, miss, registered):
-            df.unpersist()
         log.info("%s batch %d: %s", self.dc, k, metrics)
         return BatchResult(k, metrics)
 
     def _publish(self, k: int, epoch: int) -> None:
-        """Move a committed batch's staged files into place (idempotent: safe to repeat after a crash)."""
-        tag = self._tag(k, epoch)
-        stage = self.staging / tag
-        store = stage / "eventstore"
-        if store.is_dir():
-            for bucket in sorted(d for d in store.iterdir() if d.name.startswith("bucket=")):
-                dst = self.state_dir / "eventstore" / bucket.name
-                dst.mkdir(parents=True, exist_ok=True)
-                for i, part in enumerate(sorted(p for p in bucket.iterdir() if p.name.endswith(".parquet"))):
-                    os.replace(part, dst / f"{tag}-{i:03d}.parquet")
-        for kind in (JOINED, UNJOINABLE, QUARANTINE):
-            src = stage / kind
-            dst = self.root / kind
+        """Move a committed batch's staged files into place under their staged names, which start with the batch's
+        tag (idempotent: safe to repeat after a crash)."""
+        stage = self.staging / self._tag(k, epoch)
+        moves = [(stage / "eventstore", self.state_dir / "eventstore")]
+        moves += [(stage / kind, self.root / kind) for kind in (JOINED, UNJOINABLE, QUARANTINE)]
+        for src, dst in moves:
             dst.mkdir(parents=True, exist_ok=True)
             if not src.is_dir():
                 continue
-            for i, part in enumerate(sorted(p for p in src.iterdir() if p.name.endswith(".parquet"))):
-                os.replace(part, dst / f"{self._tag(k, epoch)}-{i:03d}.parquet")
+            for part in sorted(src.rglob("*.parquet")):
+                target = dst / part.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, target)
         shutil.rmtree(stage, ignore_errors=True)
         self.state.mark_published(k)
 
@@ -580,14 +579,3 @@ def _parquet_rows(folder: Path) -> int:
     import pyarrow.parquet as pq
 
     return sum(pq.ParquetFile(p).metadata.num_rows for p in folder.rglob("*.parquet")) if folder.is_dir() else 0
-
-
-class _NumpyAcc:
-    """Spark accumulator of int64 vectors (registry stats from executors)."""
-
-    def zero(self, value: np.ndarray) -> np.ndarray:
-        return np.zeros_like(value)
-
-    def addInPlace(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        a += b
-        return a

@@ -135,7 +135,15 @@ class EmbeddedPostgres:
         fresh = not (self.folder / "PG_VERSION").exists()
         with pgserver.PostgresServer._lock:
             _prune_dead_holders(self.folder)
-        server = pgserver.get_server(self.folder, cleanup_mode=self.cleanup_mode)
+        try:
+            server = pgserver.get_server(self.folder, cleanup_mode=self.cleanup_mode)
+        except PermissionError as exc:
+            raise RegistryUnavailableError(
+                f"the embedded PostgreSQL could not start: {exc}. As root, pgserver runs the server as the user "
+                "'pgserver', which must be able to reach the Python environment's files: keep the environment "
+                "outside a private home (the Makefile uses /var/tmp/photon/venvs for root), or set "
+                "PHOTON_REGISTRY_DSN to a PostgreSQL server."
+            ) from exc
         if fresh:
             for name, value in _EMBEDDED_TUNING.items():
                 server.psql(f"ALTER SYSTEM SET {name} = '{value}';")

@@ -1,0 +1,140 @@
+"""The EventStore: primary events (queries) kept by time bucket, so a lookup knows where to look from the query id.
+
+Storage (Photon's LogsEventStore) is Parquet under ``<pipeline>/_state/eventstore/bucket=<n>/<batch tag>-q<i>.parquet``:
+a batch stages its new queries under its own staging folder and moves them there, under the same file name, once the
+batch is committed. The cache (Photon's CacheEventStore) lives in the Spark executors' Python workers, which the
+session keeps alive across micro-batches: each worker holds the most recently used buckets in memory and, on every
+lookup, lists the bucket's folders and reads only the files it has not seen. A lookup whose bucket was resident is a
+hit; a bucket that has to be read from storage is a miss. Files that vanished (a staged batch that never committed)
+are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from photon.ids import valid_ids
+
+US = 1_000_000
+STORED_COLUMNS = ["query_id", "ts_us", "user_id", "query_text", "country", "ads"]
+
+
+def bucket_of(ts_us: np.ndarray, bucket_s: int) -> np.ndarray:
+    return np.floor_divide(ts_us, bucket_s * US)
+
+
+@dataclass
+class _Bucket:
+    files: dict[str, pa.Table] = field(default_factory=dict)  # file name -> its queries
+    table: pa.Table | None = None  # all files concatenated (rebuilt when the set changes)
+
+
+@dataclass
+class LookupStats:
+    lookups: int = 0
+    hits: int = 0  # lookups whose bucket was already in memory
+    files_read: int = 0
+
+
+class EventStoreCache:
+    """Per-process cache of stored buckets for one pipeline's EventStore."""
+
+    def __init__(self, root: Path, max_buckets: int):
+        self.root = root
+        self.max_buckets = max(1, max_buckets)
+        self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
+
+    def lookup(
+        self, query_ids: pa.Array, bucket_s: int, extra_roots: tuple[Path, ...] = ()
+    ) -> tuple[pa.Table, np.ndarray, LookupStats]:
+        """(queries, found, stats): row i of ``queries`` is the query of ``query_ids[i]`` where ``found[i]``.
+        ``extra_roots`` are further stores to read (a batch's own staged queries), never kept in memory."""
+        stats = LookupStats(lookups=len(query_ids))
+        valid, ts = valid_ids(query_ids)
+        buckets = np.unique(bucket_of(ts[valid], bucket_s)).tolist()
+        tables = []
+        for b in buckets:
+            resident = b in self.buckets
+            table = self._bucket(int(b), stats)
+            if resident:
+                stats.hits += int(np.count_nonzero(valid & (bucket_of(ts, bucket_s) == b)))
+            if table is not None:
+                tables.append(table)
+            for root in extra_roots:
+                folder = root / f"bucket={b}"
+                if folder.is_dir():
+                    for name in sorted(os.listdir(folder)):
+                        if name.endswith(".parquet"):
+                            tables.append(pq.read_table(folder / name, columns=STORED_COLUMNS))
+                            stats.files_read += 1
+        if not tables:
+            return _nulls(len(query_ids)), np.zeros(len(query_ids), bool), stats
+        pool = pa.concat_tables(tables)
+        idx = pc.index_in(query_ids, value_set=pool.column("query_id").combine_chunks())
+        found = pc.is_valid(idx).to_numpy(zero_copy_only=False) & valid
+        take = pc.fill_null(idx, 0)
+        return pool.take(take), found, stats
+
+    def _bucket(self, b: int, stats: LookupStats) -> pa.Table | None:
+        folder = self.root / f"bucket={b}"
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".parquet")) if folder.is_dir() else []
+        entry = self.buckets.pop(b, None) or _Bucket()
+        self.buckets[b] = entry  # most recently used last
+        changed = False
+        for gone in set(entry.files) - set(names):
+            del entry.files[gone]
+            changed = True
+        for name in names:
+            if name not in entry.files:
+                entry.files[name] = pq.read_table(folder / name, columns=STORED_COLUMNS)
+                stats.files_read += 1
+                changed = True
+        if changed or entry.table is None:
+            entry.table = pa.concat_tables(entry.files.values()).combine_chunks() if entry.files else None
+        while len(self.buckets) > self.max_buckets:
+            self.buckets.popitem(last=False)
+        return entry.table
+
+
+def _nulls(n: int) -> pa.Table:
+    from photon.parse import QUERY_FIELDS
+
+    return pa.table({f.name: pa.nulls(n, f.type) for f in QUERY_FIELDS}, schema=QUERY_FIELDS)
+
+
+_CACHES: dict[str, EventStoreCache] = {}
+
+
+def cache_for(root: Path, max_buckets: int) -> EventStoreCache:
+    """The process's cache for one pipeline's store (Python workers are reused across tasks and batches)."""
+    key = str(root)
+    if key not in _CACHES or _CACHES[key].max_buckets != max_buckets:
+        _CACHES[key] = EventStoreCache(root, max_buckets)
+    return _CACHES[key]
+
+
+def write_queries(queries: pa.Table, folder: Path, name: str, bucket_s: int) -> dict[int, int]:
+    """Store one file's queries by bucket under ``folder/bucket=<n>/<name>.parquet``; {bucket: rows}."""
+    buckets = bucket_of(queries.column("ts_us").to_numpy(), bucket_s)
+    written = {}
+    for b in np.unique(buckets).tolist():
+        part = queries.filter(pa.array(buckets == b))
+        atomic_write(part, folder / f"bucket={b}" / f"{name}.parquet")
+        written[int(b)] = part.num_rows
+    return written
+
+
+def atomic_write(table: pa.Table, path: Path) -> None:
+    """Write a Parquet file under a temporary name and rename it: readers (and a retried task) never see half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
