@@ -1,17 +1,20 @@
 """The micro-batch joiner (Photon's dispatcher + joiner) on Spark: one long-lived session, one batch per trigger.
 
-Batch k of pipeline P, under a lease with epoch E:
-1. Take the closed query files not consumed yet into the EventStore, and the new closed click files plus the
-   retries that are due; parse them in executors; malformed lines go to quarantine with a reason.
-2. Registry pre-filter: drop clicks another batch already registered (Photon's dispatcher lookup).
-3. Look each click's query up in the EventStore: the cache of recent time buckets held in the session, then the
-   stored buckets for older ones. Clicks without a query wait for a retry with exponential backoff, or go to
-   unjoinable/ once older than the maximum join delay.
-4. The adapter merges the query's fields into the click.
-5. Register the joined click ids in executors, per partition and shard, under token (P, k).
-6. Stage the rows we won, the unjoinable clicks, the quarantine records, the stored queries and the new retry set
-   under ``b<k>-e<E>``; commit batch k (fenced by E, in order); move the staged output into place.
-7. Record the batch's metrics with the commit.
+Batch k of pipeline P, under a lease with epoch E, is one Spark job of two stages:
+- Stage 1, one task per few new files (and retry files): query files are parsed and their queries stored by time
+  bucket in the batch's staged EventStore; click files are parsed into candidates, the retry set read back;
+  malformed lines go to quarantine with a reason.
+- Shuffle by click id, so every copy of a click lands in one partition (and every new query is stored before any
+  lookup). Stage 2, in each partition:
+  2. registry pre-filter: drop clicks another batch already registered (Photon's dispatcher lookup);
+  3. EventStore lookup: the worker's cache of recent buckets (the Python workers live as long as the session), the
+     stored buckets it has not seen, and this batch's staged queries. Clicks without a query wait for a retry with
+     exponential backoff, or go to unjoinable/ once older than the maximum join delay;
+  4. the adapter merges the query's fields into the click;
+  5. registration of the partition's joined ids, one transaction per shard, under token (P, k);
+  6. the rows won, the unjoinable clicks and the new retry set are written, staged under ``b<k>-e<E>``.
+  Only counts and latencies go back to the driver.
+7. The driver commits batch k with its metrics (fenced by E, in order), then moves the staged output into place.
 
 A crash anywhere re-runs batch k from the last committed state; registrations of the dead attempt carry the same
 token, come back WON_AGAIN and are written then. A zombie lease can register but never commit or publish.
@@ -100,7 +103,6 @@ CANDIDATE = pa.schema(
         ("due_us", pa.int64()),
     ]
 )
-QUERY_TASK = pa.schema([("queries", pa.int64()), ("quarantined", pa.int64())])
 JOIN_TASK = pa.schema(
     [
         *[(name, pa.int64()) for name in JOIN_COUNTS],
@@ -154,48 +156,36 @@ class _Task:
     adapter: str
 
 
-def _query_task(t: _Task, paths: list[str]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Parse query files and store their queries by bucket (staged with the batch); quarantine malformed lines."""
-
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from photon.eventstore import atomic_write, write_queries
-
-        stage = Path(t.stage)
-        for i in _indices(batches):
-            path = Path(paths[i])
-            good, bad = parse_file(path.name, path.read_bytes(), "queries")
-            if good.num_rows:
-                write_queries(good, stage / "eventstore", f"{t.tag}-q{i:06d}", t.bucket_s)
-            if bad.num_rows:
-                atomic_write(_quarantine(bad, t.dc, "queries", t.now), stage / QUARANTINE / f"{t.tag}-q{i:06d}.parquet")
-            yield pa.RecordBatch.from_pydict({"queries": [good.num_rows], "quarantined": [bad.num_rows]}, QUERY_TASK)
-
-    return run
-
-
 def _source_task(
     t: _Task, sources: list[tuple[str, str]]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Candidates of a batch: clicks parsed from new files (malformed lines quarantined), and the retry set."""
+    """The first stage of a batch, one task per few sources: query files are parsed and stored by bucket in the
+    batch's staged EventStore; click files are parsed into candidates; retry files are read back as candidates.
+    Malformed lines are quarantined. The shuffle after this stage is the barrier that puts every new query in the
+    store before any click of the batch looks for it."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
-        from photon.eventstore import atomic_write
+        from photon.eventstore import atomic_write, write_queries
 
+        stage = Path(t.stage)
         for i in _indices(batches):
             kind, path_s = sources[i]
             path = Path(path_s)
             if kind == "retries":
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
-            good, bad = parse_file(path.name, path.read_bytes(), "clicks")
+            good, bad = parse_file(path.name, path.read_bytes(), kind)
             if bad.num_rows:
                 atomic_write(
-                    _quarantine(bad, t.dc, "clicks", t.now), Path(t.stage) / QUARANTINE / f"{t.tag}-c{i:06d}.parquet"
+                    _quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / f"{t.tag}-{kind[0]}{i:06d}.parquet"
                 )
             n = good.num_rows
-            if n:
+            if kind == "queries":
+                if n:
+                    write_queries(good, stage / "eventstore", f"{t.tag}-q{i:06d}", t.bucket_s)
+            elif n:
                 yield from pa.Table.from_pydict(
                     {
                         "click_id": good.column("click_id"),
@@ -496,12 +486,11 @@ class Joiner:
 
     def _tasks(self, n: int) -> Any:
         """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
-        return self.spark.range(0, n, 1, max(1, min(n, self.s.parallelism * 2)))
+        return self.spark.range(0, n, 1, max(1, min(n, self.s.parallelism)))
 
     def run_batch(self, k: int, q_files: list[str], c_files: list[str]) -> BatchResult:
-        """One micro-batch in at most two Spark jobs: the new queries into the staged EventStore, then the clicks
-        and retries through parse, shuffle by click id, and steps 2-6 in each partition. Only counts and latencies
-        come back to the driver."""
+        """One micro-batch, one Spark job of two stages: parse (and store the new queries), shuffle by click id,
+        steps 2-6 in each partition. Only counts and latencies come back to the driver."""
         from pyspark.sql.pandas.types import from_arrow_schema
 
         assert self.lease is not None
@@ -511,16 +500,10 @@ class Joiner:
         t = self._task(k, now)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
 
-        # 1. new queries into the EventStore, staged with the batch (before any click of the batch looks them up).
-        queries = 0
-        if q_files:
-            paths = [str(self.logs / self.dc / "queries" / n) for n in q_files]
-            rows = self._tasks(len(paths)).mapInArrow(_query_task(t, paths), from_arrow_schema(QUERY_TASK)).collect()
-            queries = sum(r["queries"] for r in rows)
-        metrics["queries"] = queries
-
-        # 2-6. clicks and every waiting retry, each click id in one partition.
-        sources = [("clicks", str(self.logs / self.dc / "clicks" / n)) for n in c_files]
+        # One job: parse every new file (queries stored first: the shuffle is a barrier), then steps 2-6 per
+        # partition of click ids.
+        sources = [("queries", str(self.logs / self.dc / "queries" / n)) for n in q_files]
+        sources += [("clicks", str(self.logs / self.dc / "clicks" / n)) for n in c_files]
         if self.retry_dir is not None:
             sources += [("retries", str(p)) for p in sorted(self.retry_dir.glob("*.parquet"))]
         counts = dict.fromkeys(JOIN_COUNTS, 0)
@@ -537,8 +520,10 @@ class Joiner:
                 for name in JOIN_COUNTS:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
+        t_job = time.time()
         _maybe_crash("after_register", k)
         metrics.update(counts)
+        metrics["queries"] = _parquet_rows(Path(t.stage) / "eventstore")
         metrics["quarantined"] = _parquet_rows(Path(t.stage) / QUARANTINE)
         q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
         metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
@@ -553,7 +538,7 @@ class Joiner:
         self.consumed.update(files)
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
-        log.info("%s batch %d: %s", self.dc, k, metrics)
+        log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.dc, k, t_job - t_start, time.time() - t_job, metrics)
         return BatchResult(k, metrics)
 
     def _publish(self, k: int, epoch: int) -> None:
