@@ -6,7 +6,8 @@ batch is committed. The cache (Photon's CacheEventStore) lives in the Spark exec
 session keeps alive across micro-batches: each worker holds the most recently used buckets in memory and, on every
 lookup, lists the bucket's folders and reads only the files it has not seen. A lookup whose bucket was resident is a
 hit; a bucket that has to be read from storage is a miss. Files that vanished (a staged batch that never committed)
-are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its own.
+are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its own. A batch's own
+staged files are cached under their names too: they keep them when the batch commits and they move into storage.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def bucket_of(ts_us: np.ndarray, bucket_s: int) -> np.ndarray:
 @dataclass
 class _Bucket:
     files: dict[str, pa.Table] = field(default_factory=dict)  # file name -> its queries
-    table: pa.Table | None = None  # all files concatenated (rebuilt when the set changes)
+    table: pa.Table | None = None  # all files as one chunked table (rebuilt when the set changes)
 
 
 @dataclass
@@ -53,52 +54,58 @@ class EventStoreCache:
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
 
     def lookup(
-        self, query_ids: pa.Array, bucket_s: int, extra_roots: tuple[Path, ...] = ()
+        self, query_ids: pa.Array, bucket_s: int, staged: Path | None = None
     ) -> tuple[pa.Table, np.ndarray, LookupStats]:
         """(queries, found, stats): row i of ``queries`` is the query of ``query_ids[i]`` where ``found[i]``.
-        ``extra_roots`` are further stores to read (a batch's own staged queries), never kept in memory."""
+        ``staged`` is the running batch's own staged store: its files are cached under their names, which they keep
+        when the batch is committed and moved into the store."""
         stats = LookupStats(lookups=len(query_ids))
         valid, ts = valid_ids(query_ids)
         buckets = np.unique(bucket_of(ts[valid], bucket_s)).tolist()
         tables = []
         for b in buckets:
             resident = b in self.buckets
-            table = self._bucket(int(b), stats)
+            table = self._bucket(int(b), staged, stats)
             if resident:
                 stats.hits += int(np.count_nonzero(valid & (bucket_of(ts, bucket_s) == b)))
             if table is not None:
                 tables.append(table)
-            for root in extra_roots:
-                folder = root / f"bucket={b}"
-                if folder.is_dir():
-                    for name in sorted(os.listdir(folder)):
-                        if name.endswith(".parquet"):
-                            tables.append(pq.read_table(folder / name, columns=STORED_COLUMNS))
-                            stats.files_read += 1
         if not tables:
             return _nulls(len(query_ids)), np.zeros(len(query_ids), bool), stats
-        pool = pa.concat_tables(tables)
-        idx = pc.index_in(query_ids, value_set=pool.column("query_id").combine_chunks())
-        found = pc.is_valid(idx).to_numpy(zero_copy_only=False) & valid
-        take = pc.fill_null(idx, 0)
-        return pool.take(take), found, stats
+        pool = pa.concat_tables(tables)  # zero-copy: one chunk per file
+        # Hash the batch's few distinct query ids and probe the buckets' ids with them (not the other way round:
+        # a bucket holds far more queries than a batch has clicks).
+        wanted = pc.unique(query_ids)
+        probe = pc.index_in(pool.column("query_id"), value_set=wanted)
+        pool_rows = np.flatnonzero(pc.is_valid(probe).to_numpy(zero_copy_only=False))
+        wanted_pos = pc.drop_null(probe).to_numpy(zero_copy_only=False) if len(pool_rows) else np.zeros(0, np.int64)
+        row_of = np.full(len(wanted), -1, np.int64)
+        uniq, first = np.unique(wanted_pos, return_index=True)  # the first stored copy of each query
+        row_of[uniq] = pool_rows[first]
+        rows = row_of[pc.index_in(query_ids, value_set=wanted).to_numpy(zero_copy_only=False)]
+        found = (rows >= 0) & valid
+        return pool.take(pa.array(np.where(found, rows, 0))), found, stats
 
-    def _bucket(self, b: int, stats: LookupStats) -> pa.Table | None:
-        folder = self.root / f"bucket={b}"
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".parquet")) if folder.is_dir() else []
+    def _bucket(self, b: int, staged: Path | None, stats: LookupStats) -> pa.Table | None:
+        names = {}
+        for root in (self.root, staged):
+            folder = root / f"bucket={b}" if root is not None else None
+            if folder is not None and folder.is_dir():
+                names.update({n: folder / n for n in os.listdir(folder) if n.endswith(".parquet")})
         entry = self.buckets.pop(b, None) or _Bucket()
         self.buckets[b] = entry  # most recently used last
         changed = False
         for gone in set(entry.files) - set(names):
             del entry.files[gone]
             changed = True
-        for name in names:
+        for name in sorted(names):
             if name not in entry.files:
-                entry.files[name] = pq.read_table(folder / name, columns=STORED_COLUMNS)
+                entry.files[name] = pq.read_table(names[name], columns=STORED_COLUMNS)
                 stats.files_read += 1
                 changed = True
         if changed or entry.table is None:
-            entry.table = pa.concat_tables(entry.files.values()).combine_chunks() if entry.files else None
+            # Zero-copy: a chunk per file. Only the id column is ever combined, for the hash lookup.
+            entry.table = pa.concat_tables(entry.files.values()) if entry.files else None
         while len(self.buckets) > self.max_buckets:
             self.buckets.popitem(last=False)
         return entry.table

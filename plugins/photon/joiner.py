@@ -69,8 +69,8 @@ class JoinSettings:
     trigger_interval_s: float = 1.0
     retry_base_s: float = 1.0  # first retry after this long, doubling up to retry_max_s
     retry_max_s: float = 16.0
-    bucket_s: int = 60  # EventStore time bucket
-    cache_buckets: int = 30  # buckets of queries kept in the session (the CacheEventStore)
+    bucket_s: int = 10  # EventStore time bucket: a lookup hashes the ids of the buckets its clicks need
+    cache_buckets: int = 180  # buckets of queries kept in each Python worker (the CacheEventStore): 30 minutes
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
     adapter: str = "photon.adapter:default_adapter"
     parallelism: int = 2  # partitions for parsing and registration
@@ -170,6 +170,8 @@ def _source_task(
         from photon.eventstore import atomic_write, write_queries
 
         stage = Path(t.stage)
+        stored: list[pa.Table] = []
+        first = None
         for i in _indices(batches):
             kind, path_s = sources[i]
             path = Path(path_s)
@@ -178,13 +180,12 @@ def _source_task(
                 continue
             good, bad = parse_file(path.name, path.read_bytes(), kind)
             if bad.num_rows:
-                atomic_write(
-                    _quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / f"{t.tag}-{kind[0]}{i:06d}.parquet"
-                )
+                name = f"{t.tag}-{kind[0]}{i:06d}.parquet"
+                atomic_write(_quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / name)
             n = good.num_rows
             if kind == "queries":
-                if n:
-                    write_queries(good, stage / "eventstore", f"{t.tag}-q{i:06d}", t.bucket_s)
+                stored.append(good)
+                first = i if first is None else first
             elif n:
                 yield from pa.Table.from_pydict(
                     {
@@ -198,6 +199,8 @@ def _source_task(
                     },
                     CANDIDATE,
                 ).to_batches()
+        if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
+            write_queries(pa.concat_tables(stored), stage / "eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
 
     return run
 
@@ -272,9 +275,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         live = due.filter(pa.array(~taken & ~found.too_old))
         # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries.
         cache = cache_for(state / "eventstore", t.cache_buckets)
-        queries, hit, stats = cache.lookup(
-            live.column("query_id").combine_chunks(), t.bucket_s, (stage / "eventstore",)
-        )
+        queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
         miss = live.filter(pa.array(~hit))
         live_hit = live.filter(pa.array(hit))
