@@ -81,16 +81,16 @@ def pipelines_in(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
 
 
-def read_output(out: Path, kind: str, columns: list[str]) -> pa.Table:
-    """One output kind of every pipeline, with a ``folder`` column naming the pipeline folder it came from.
-    In-progress files (``_*``, ``.*``) are skipped by the dataset reader."""
+def read_output(out: Path, kind: str, columns: list[str], where: ds.Expression | None = None) -> pa.Table:
+    """One output kind of every pipeline (rows matching ``where``), with a ``folder`` column naming the pipeline
+    folder it came from. In-progress files (``_*``, ``.*``) are skipped by the dataset reader."""
     schema = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}[kind]
     tables = []
     for name in pipelines_in(out):
         folder = out / name / kind
         if not folder.is_dir():
             continue
-        t = ds.dataset(folder, format="parquet", schema=schema).to_table(columns=columns)
+        t = ds.dataset(folder, format="parquet", schema=schema).to_table(columns=columns, filter=where)
         tables.append(t.append_column("folder", pa.array([name] * t.num_rows, pa.string())))
     if not tables:
         empty = pa.schema([schema.field(c) for c in columns] + [pa.field("folder", pa.string())])
