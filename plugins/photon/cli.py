@@ -255,6 +255,13 @@ def join_cmd(
         "photon.adapter:default_adapter"
     ),
     master: Annotated[str | None, typer.Option(help="Spark master (default: spark-submit's, else local[*]).")] = None,
+    pipeline: Annotated[
+        str | None, typer.Option(help="Pipeline name: its state and output folder (default: the data center).")
+    ] = None,
+    window_start: Annotated[
+        str | None, typer.Option(help="Backfill: only files whose first event is at or after this ISO time (UTC).")
+    ] = None,
+    window_end: Annotated[str | None, typer.Option(help="Backfill: ... and before this ISO time (UTC).")] = None,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
     from photon.joiner import Joiner, JoinSettings
@@ -269,9 +276,13 @@ def join_cmd(
         trigger_interval_s=trigger_interval,
         adapter=adapter,
         max_click_files=int(os.environ.get("PHOTON_TEST_MAX_CLICK_FILES", JoinSettings.max_click_files)),
+        window_start_us=_iso_us(window_start),
+        window_end_us=_iso_us(window_end),
     )
-    spark = get_spark(f"photon-join-{dc}", master=master, shuffle_partitions=4)
-    joiner = Joiner(dc, logs, out, servers_from_settings(), spark, settings)
+    if (settings.window_start_us is None) != (settings.window_end_us is None):
+        raise ValueError("give both --window-start and --window-end, or neither")
+    spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
+    joiner = Joiner(dc, logs, out, servers_from_settings(), spark, settings, pipeline=pipeline)
     lease = joiner.start()
     console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch}")
 
@@ -305,6 +316,19 @@ def demo(
     else:
         ok = run_pipeline_demo(seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console)
     raise typer.Exit(0 if ok else 1)
+
+
+def _iso_us(text: str | None) -> int | None:
+    """An ISO-8601 time (naive means UTC) as microseconds since the epoch."""
+    if text is None:
+        return None
+    from datetime import UTC, datetime
+
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO-8601 time such as 2026-11-21T10:00:00+00:00") from None
+    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp() * 1_000_000)
 
 
 def main() -> None:

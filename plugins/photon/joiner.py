@@ -74,6 +74,11 @@ class JoinSettings:
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
     adapter: str = "photon.adapter:default_adapter"
     parallelism: int = 2  # partitions for parsing and registration
+    # A backfill's window: only files whose first event is stamped in [window_start_us, window_end_us) (query files
+    # from max_join_delay_s + window_margin_s earlier, so the window's clicks find their queries). None: every file.
+    window_start_us: int | None = None
+    window_end_us: int | None = None
+    window_margin_s: float = 60.0
 
 
 @dataclass
@@ -141,7 +146,7 @@ def _indices(batches: Iterator[pa.RecordBatch]) -> Iterator[int]:
 class _Task:
     """What every task of a batch needs: plain values, shipped to the executors with the function."""
 
-    dc: str
+    dc: str  # the pipeline's name, as written in the output
     tag: str
     now: int
     stage: str
@@ -363,19 +368,27 @@ class Joiner:
         servers: Mapping[str, str],
         spark: Any,
         settings: JoinSettings | None = None,
+        *,
+        pipeline: str | None = None,
     ):
+        """Joins ``<logs>/<dc>`` into ``<out>/<pipeline>``; the pipeline (its state, token owner and output folder)
+        is named after the data center unless given, as a backfill names its own."""
         self.dc, self.logs, self.out = dc, logs, out
+        self.pipeline = pipeline or dc
+        if not self.pipeline or self.pipeline.startswith(("_", ".")) or "/" in self.pipeline:
+            raise ValueError(f"pipeline name {self.pipeline!r}: must not be empty, contain '/' or start with _ or .")
         self.servers = dict(servers)
         self.spark = spark
         self.s = settings or JoinSettings()
-        self.state = PipelineState(self.servers["main"], dc)
-        self.root = out / dc
+        self.state = PipelineState(self.servers["main"], self.pipeline)
+        self.root = out / self.pipeline
         self.state_dir = self.root / "_state"
         self.staging = self.root / "_staging"
         self.lease: Lease | None = None
         self.last_batch = 0  # last batch committed (by this lease or before it)
         self.consumed: set[tuple[str, str]] = set()
         self.retry_dir: Path | None = None
+        self._first_ts: dict[Path, int] = {}
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
     # lease start: recover, then load state --------------------------------------------------------------
@@ -397,7 +410,7 @@ class Joiner:
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
-        log.info("%s: lease epoch %d, last batch %d", self.dc, self.lease.epoch, self.lease.last_batch)
+        log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
     @staticmethod
@@ -452,9 +465,21 @@ class Joiner:
             folder = self.logs / self.dc / kind
             if not folder.is_dir():
                 return []
-            return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and (kind, n) not in self.consumed)
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and (kind, n) not in self.consumed)
+            return [n for n in names if self._in_window(kind, folder / n)]
 
         return listing("queries"), listing("clicks")[: self.s.max_click_files]
+
+    def _in_window(self, kind: str, path: Path) -> bool:
+        s = self.s
+        if s.window_start_us is None or s.window_end_us is None:
+            return True
+        start = s.window_start_us
+        if kind == "queries":
+            start -= int((s.max_join_delay_s + s.window_margin_s) * US)
+        if path not in self._first_ts:
+            self._first_ts[path] = first_event_us(path)
+        return start <= self._first_ts[path] < s.window_end_us
 
     def _retry_counts(self) -> tuple[int, int]:
         """(waiting, due) retries. Asked on every trigger, so it reads the small retry set with Arrow rather than
@@ -470,7 +495,7 @@ class Joiner:
         assert self.lease is not None
         tag = self._tag(k, self.lease.epoch)
         return _Task(
-            dc=self.dc,
+            dc=self.pipeline,
             tag=tag,
             now=now,
             stage=str(self.staging / tag),
@@ -539,7 +564,8 @@ class Joiner:
         self.consumed.update(files)
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
-        log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.dc, k, t_job - t_start, time.time() - t_job, metrics)
+        took = (t_job - t_start, time.time() - t_job)
+        log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
         return BatchResult(k, metrics)
 
     def _publish(self, k: int, epoch: int) -> None:
@@ -558,6 +584,23 @@ class Joiner:
                 os.replace(part, target)
         shutil.rmtree(stage, ignore_errors=True)
         self.state.mark_published(k)
+
+
+def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:
+    """The timestamp of a log file's first well-formed line within its first ``peek_bytes`` (a closed file never
+    changes, so this is asked once per file); the file's modification time where none parses there."""
+    import json
+
+    with open(path, "rb") as fh:
+        head = fh.read(peek_bytes)
+    for line in head.split(b"\n")[:-1] if len(head) == peek_bytes else head.split(b"\n"):
+        try:
+            ts = json.loads(line).get("ts_us")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(ts, int) and not isinstance(ts, bool):
+            return ts
+    return int(path.stat().st_mtime * US)
 
 
 def _parquet_rows(folder: Path) -> int:
