@@ -4,13 +4,26 @@ embedded server started for this test session. Every test gets its own database(
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from photon.pg import EmbeddedPostgres, create_database, drop_database, with_dbname
+# Airflow reads its configuration when first imported: point it at a throwaway home (a SQLite metadata database,
+# this project's DAGs, no examples) before any test imports it. The user's own Airflow is never touched.
+_AIRFLOW_HOME = tempfile.mkdtemp(prefix="photon-airflow-tests-")
+os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "false"
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "plugins")
+os.environ["GX_ANALYTICS_ENABLED"] = "false"
+
+from photon.pg import EmbeddedPostgres, create_database, drop_database, with_dbname  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +64,13 @@ def spark() -> Iterator[object]:
     session = get_spark("photon-tests", master="local[2]", shuffle_partitions=4)
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Iterator[str]:
+    """A migrated Airflow metadata database (SQLite) in the session's throwaway AIRFLOW_HOME."""
+    airflow = Path(sys.executable).parent / "airflow"
+    result = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    yield _AIRFLOW_HOME
+    shutil.rmtree(_AIRFLOW_HOME, ignore_errors=True)

@@ -1,3 +1,4 @@
 from photon.cli import main
 
-main()
+if __name__ == "__main__":  # Airflow's plugin manager imports every file under plugins/: do nothing then
+    main()

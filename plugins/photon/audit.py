@@ -128,7 +128,7 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     report = AuditReport(source, pipelines, input_clicks=clicks.num_rows)
     joined = read_output(out, JOINED, ["click_id", "query_id", "click_ts_us", "joined_at_us"])
     unjoinable = read_output(out, UNJOINABLE, ["click_id", "reason"])
-    quarantined = read_output(out, QUARANTINE, ["kind", "file"])
+    quarantined = read_output(out, QUARANTINE, ["kind", "file", "line"])
     report.joined_rows = joined.num_rows
 
     # Duplicates across every joined/ folder.
@@ -176,19 +176,35 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     report.joined_and_unjoinable = int((in_joined & in_unjoinable).sum())
     report.unjoinable_by_reason = _value_counts(unjoinable["reason"])
 
-    report.quarantine = _quarantine(files, quarantined, pipelines)
+    report.quarantine = _quarantine(files, quarantined, {p: data_center_of(out, p) for p in pipelines})
     report.shares = _shares(joined, pipelines)
     report.latency_s = _latency(joined)
     return report
 
 
-def _quarantine(files: pa.Table, quarantined: pa.Table, pipelines: list[str]) -> dict[str, Any]:
-    """Per pipeline and input file: quarantine records found against malformed lines expected."""
-    expected = files.filter(pc.is_in(files["dc"], value_set=pa.array(pipelines, pa.string())))
+def data_center_of(out: Path, pipeline: str) -> str:
+    """The data center whose logs a pipeline read: from the ``_pipeline.json`` the joiner leaves in its folder (a
+    backfill pipeline is named apart from its data center), else the folder's name."""
+    meta = out / pipeline / "_pipeline.json"
+    if meta.is_file():
+        return str(json.loads(meta.read_text())["dc"])
+    return pipeline
+
+
+def _quarantine(files: pa.Table, quarantined: pa.Table, dc_of: dict[str, str]) -> dict[str, Any]:
+    """Per data center and input file: distinct lines quarantined (by any of its pipelines) against malformed lines
+    expected. A line quarantined by two pipelines of one data center (a live joiner and a backfill) counts once."""
+    dcs = sorted(set(dc_of.values()))
+    expected = files.filter(pc.is_in(files["dc"], value_set=pa.array(dcs, pa.string())))
     expected = expected.filter(pc.greater(expected["malformed"], 0)).rename_columns(
         ["folder", "kind", "file", "expected"]
     )
-    found = quarantined.group_by(["folder", "kind", "file"]).aggregate([("file", "count")])
+    folders = quarantined["folder"].to_pylist()
+    lines = quarantined.drop_columns(["folder"]).append_column(
+        "folder", pa.array([dc_of[f] for f in folders], pa.string())
+    )
+    lines = lines.group_by(["folder", "kind", "file", "line"]).aggregate([])
+    found = lines.group_by(["folder", "kind", "file"]).aggregate([("line", "count")])
     found = found.rename_columns(["folder", "kind", "file", "found"])
     both = expected.join(found, ["folder", "kind", "file"], join_type="full outer")
     exp = pc.fill_null(both["expected"], 0).to_numpy()

@@ -22,6 +22,7 @@ token, come back WON_AGAIN and are written then. A zombie lease can register but
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -394,6 +395,11 @@ class Joiner:
     # lease start: recover, then load state --------------------------------------------------------------
     def start(self) -> Lease:
         self.lease = self.state.start_lease()
+        self.root.mkdir(parents=True, exist_ok=True)
+        meta = self.root / "_pipeline.json"  # which logs this output came from (the auditor reads it)
+        tmp = meta.with_name(f"._pipeline.json.{os.getpid()}")
+        tmp.write_text(json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n")
+        os.replace(tmp, meta)
         committed = {(b, e): published for b, e, published in self.state.batches()}
         for (b, e), published in sorted(committed.items()):
             if not published:
@@ -589,8 +595,6 @@ class Joiner:
 def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:
     """The timestamp of a log file's first well-formed line within its first ``peek_bytes`` (a closed file never
     changes, so this is asked once per file); the file's modification time where none parses there."""
-    import json
-
     with open(path, "rb") as fh:
         head = fh.read(peek_bytes)
     for line in head.split(b"\n")[:-1] if len(head) == peek_bytes else head.split(b"\n"):

@@ -56,7 +56,7 @@ def test_planted_duplicate_fails(out: Path) -> None:
 def test_missing_field_slow_clicks_and_rates_fail(out: Path) -> None:
     def damage(t: pa.Table) -> pa.Table:
         i = t.schema.get_field_index("query_id")
-        t = t.set_column(i, "query_id", pa.array([None] + t.column("query_id").to_pylist()[1:], pa.string()))
+        t = t.set_column(i, "query_id", pa.array([None, *t.column("query_id").to_pylist()[1:]], pa.string()))
         late = pc.add(t.column("click_ts_us"), 3_600 * US)  # an hour to join: far past the SLO
         return t.set_column(t.schema.get_field_index("joined_at_us"), "joined_at_us", late)
 

@@ -1,0 +1,169 @@
+"""DAG builders: the files in ``dags/`` call these and nothing else.
+
+Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``); paths come from the Variables
+``photon_logs`` and ``photon_out`` (templated, so read when a task runs), endpoints from the connections
+``photon_registry`` and ``spark_default``, tunables from each DAG's params (the form the UI shows on "Trigger DAG
+w/ config").
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
+from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
+
+from photon.airflow.operators import SPARK_DIR, PhotonSparkSubmitOperator
+
+START = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def data_centers() -> tuple[str, ...]:
+    """The data centers to build DAGs for (``PHOTON_DCS``, comma-separated; read when the DAG files are parsed)."""
+    return tuple(d.strip() for d in os.environ.get("PHOTON_DCS", "dc-a,dc-b").split(",") if d.strip())
+
+
+_HOME = os.environ.get("PHOTON_HOME", ".photon")
+LOGS = "{{ var.value.get('photon_logs', '" + os.path.join(_HOME, "logs") + "') }}"
+OUT = "{{ var.value.get('photon_out', '" + os.path.join(_HOME, "out") + "') }}"
+RETRIES = {
+    "retries": 5,
+    "retry_delay": timedelta(seconds=15),
+    "retry_exponential_backoff": True,
+    "max_retry_delay": timedelta(minutes=10),
+}
+JOIN_APP = str(SPARK_DIR / "photon_join.py")
+# Runs that cover an hour (data_interval_start .. data_interval_end), not points in time.
+HOURLY = CronDataIntervalTimetable("0 * * * *", timezone="UTC")
+
+
+def dag_id_for(dc: str) -> str:
+    return f"photon_join_{dc.replace('-', '_')}"
+
+
+def join_dag(dc: str) -> DAG:
+    """One joiner lease per run; the next run starts as soon as this one ends. A failed lease is retried with
+    backoff and resumes from the committed position (a new lease fences the old one)."""
+    with DAG(
+        dag_id=dag_id_for(dc),
+        description=f"Photon joiner for {dc}: one lease of micro-batches per run",
+        schedule="@continuous",
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["photon", "joiner", dc],
+        default_args=RETRIES,
+        params={
+            "lease_s": Param(300, type="integer", minimum=10, maximum=3600, description="Seconds per lease."),
+            "trigger_interval_s": Param(1.0, type="number", minimum=0.1, maximum=60, description="Between batches."),
+            "max_join_delay_s": Param(120.0, type="number", minimum=1, description="Give up on a query after this."),
+        },
+        doc_md=__doc__,
+    ) as dag:
+        PhotonSparkSubmitOperator(
+            task_id="joiner_lease",
+            application=JOIN_APP,
+            conn_id="spark_default",
+            name=f"photon-join-{dc}",
+            application_args=[
+                *("--dc", dc, "--logs", LOGS, "--out", OUT),
+                *("--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"),
+                *("--max-join-delay", "{{ params.max_join_delay_s }}"),
+            ],
+            execution_timeout=timedelta(hours=2),
+        )
+    return dag
+
+
+def backfill_dag() -> DAG:
+    """Joins the logs of each data interval until caught up, one pipeline per data center and interval
+    (``backfill-<dc>-<interval start>``), for ``airflow backfill create``. Safe to rerun and to run beside the live
+    joiners: the registry lets each click into the output once, whichever pipeline registers it first."""
+    with DAG(
+        dag_id="photon_backfill",
+        description="Photon backfill: join one interval of historical logs",
+        schedule=HOURLY,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["photon", "backfill"],
+        default_args=RETRIES,
+        params={"max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners.")},
+    ) as dag:
+        for dc in data_centers():
+            PhotonSparkSubmitOperator(
+                task_id=f"backfill_{dc.replace('-', '_')}",
+                application=JOIN_APP,
+                conn_id="spark_default",
+                name=f"photon-backfill-{dc}",
+                application_args=[
+                    *("--dc", dc, "--logs", LOGS, "--out", OUT),
+                    *("--pipeline", f"backfill-{dc}-" + "{{ data_interval_start | ts_nodash }}"),
+                    *("--until-caught-up", "--drain", "--max-join-delay", "{{ params.max_join_delay_s }}"),
+                    *("--window-start", "{{ data_interval_start.isoformat() }}"),
+                    *("--window-end", "{{ data_interval_end.isoformat() }}"),
+                ],
+                execution_timeout=timedelta(hours=6),
+            )
+    return dag
+
+
+def data_quality_dag() -> DAG:
+    """A Great Expectations checkpoint over every pipeline's output for the clicks of one interval, once the
+    joiners have had ``settle_min`` minutes to decide them. The task fails when the checkpoint fails; its summary goes
+    to XCom (``return_value`` when it passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``."""
+    with DAG(
+        dag_id="photon_data_quality",
+        description="Photon data quality: a GX checkpoint per interval, with Data Docs",
+        schedule=HOURLY,
+        start_date=START,
+        catchup=False,
+        max_active_runs=2,
+        tags=["photon", "data-quality"],
+        default_args={"retries": 1, "retry_delay": timedelta(minutes=1)},
+        params={
+            "settle_min": Param(5, type="integer", minimum=0, description="Wait after the interval before checking."),
+            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "latency_slo_s": Param(60.0, type="number", minimum=0, description="End-to-end, for most clicks."),
+            "latency_mostly": Param(0.99, type="number", minimum=0, maximum=1),
+            "max_unjoinable_rate": Param(0.05, type="number", minimum=0, maximum=1),
+            "max_quarantine_rate": Param(0.05, type="number", minimum=0),
+        },
+    ) as dag:
+        # The joiners decide a click within the maximum join delay of its arrival: check once they have.
+        settle = TimeDeltaSensor(
+            task_id="settle",
+            delta="{{ params.settle_min }}",  # type: ignore[arg-type]  # templated: rendered to minutes
+            mode="reschedule",
+            poke_interval=60,
+        )
+
+        @task(task_id="checkpoint")
+        def checkpoint(out: str, **context: Any) -> dict[str, Any]:
+            from pathlib import Path
+
+            from airflow.sdk.exceptions import AirflowFailException
+
+            from photon.quality import QualitySettings, check_quality
+
+            p = context["params"]
+            settings = QualitySettings(
+                max_clock_skew_s=float(p["max_clock_skew_s"]),
+                latency_slo_s=float(p["latency_slo_s"]),
+                latency_mostly=float(p["latency_mostly"]),
+                max_unjoinable_rate=float(p["max_unjoinable_rate"]),
+                max_quarantine_rate=float(p["max_quarantine_rate"]),
+            )
+            start = int(context["data_interval_start"].timestamp() * 1_000_000)
+            end = int(context["data_interval_end"].timestamp() * 1_000_000)
+            result = check_quality(Path(out), start, end, settings)
+            summary = result.summary()
+            context["ti"].xcom_push(key="summary", value=summary)
+            if not result.success:
+                raise AirflowFailException(f"data-quality checkpoint failed: {'; '.join(result.failed)}")
+            return summary
+
+        settle >> checkpoint(OUT)
+    return dag

@@ -1,0 +1,211 @@
+"""The Airflow side on Airflow 3.3 for real: DAG integrity, and ``dag.test()`` runs of the joiner lease (through
+SparkSubmitOperator and a real spark-submit), the data-quality checkpoint and the backfill, against real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg2.extensions
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from photon.audit import audit
+from photon.generator import GeneratorSettings, generate
+from photon.registry_admin import init_registry
+from tests.integration.audit_fixtures import perfect_output, rewrite
+
+pytestmark = pytest.mark.integration
+US = 1_000_000
+ROOT = Path(__file__).resolve().parents[2]
+DAGS = ROOT / "dags"
+EXPECTED = {
+    "photon_join_dc_a": ("ContinuousTimetable", ["joiner_lease"], 1),
+    "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 1),
+    "photon_backfill": ("CronDataIntervalTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
+    "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
+}
+
+
+def dagbag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def registry_connection(dsn: str) -> str:
+    """The ``photon_registry`` connection, as Airflow reads it from AIRFLOW_CONN_PHOTON_REGISTRY."""
+    p = psycopg2.extensions.parse_dsn(dsn)
+    return json.dumps(
+        {
+            "conn_type": "postgres",
+            "host": p.get("host", "127.0.0.1"),
+            "port": int(p["port"]) if p.get("port") else None,
+            "login": p.get("user"),
+            "password": p.get("password"),
+            "schema": p.get("dbname"),
+        }
+    )
+
+
+def task_states(run: Any) -> dict[str, str]:
+    return {ti.task_id: str(ti.state) for ti in run.get_task_instances()}
+
+
+@pytest.fixture
+def env(airflow_db: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, make_db: Callable[[], str]) -> Iterator[Any]:
+    """Connections and Variables for one test: a fresh registry, local Spark, logs and output under tmp_path."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=4)
+    monkeypatch.setenv("AIRFLOW_CONN_PHOTON_REGISTRY", registry_connection(dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("AIRFLOW_VAR_PHOTON_LOGS", str(tmp_path / "logs"))
+    monkeypatch.setenv("AIRFLOW_VAR_PHOTON_OUT", str(tmp_path / "out"))
+
+    class Env:
+        logs, out, registry = tmp_path / "logs", tmp_path / "out", dsn
+
+    yield Env
+
+
+def test_dags_import_cleanly_with_the_expected_shape() -> None:
+    from airflow.sdk import Param
+
+    bag = dagbag()
+    assert bag.import_errors == {}
+    assert set(bag.dags) == set(EXPECTED)
+    for dag_id, (timetable, tasks, max_runs) in EXPECTED.items():
+        dag = bag.dags[dag_id]
+        assert type(dag.timetable).__name__ == timetable, dag_id
+        assert sorted(t.task_id for t in dag.tasks) == sorted(tasks), dag_id
+        assert dag.max_active_runs == max_runs and not dag.catchup, dag_id
+        assert "photon" in dag.tags, dag_id
+        assert all(t.retries >= 1 for t in dag.tasks), dag_id
+        assert dag.params and all(isinstance(dag.params.get_param(k), Param) for k in dag.params), dag_id
+        assert all(dag.params.get_param(k).schema.get("type") for k in dag.params), dag_id  # the UI's form
+    join = bag.dags["photon_join_dc_a"].get_task("joiner_lease")
+    assert type(join).__name__ == "PhotonSparkSubmitOperator" and join._conn_id == "spark_default"
+    assert Path(join.application).is_file() and "--run-for" in join.application_args
+    assert bag.dags["photon_join_dc_a"].get_task("joiner_lease").retry_exponential_backoff
+    quality = bag.dags["photon_data_quality"]
+    assert [t.task_id for t in quality.get_task("settle").downstream_list] == ["checkpoint"]
+
+
+def test_parsing_touches_no_network_and_no_registry(tmp_path: Path) -> None:
+    """Parse the DAG folder in a fresh interpreter where any socket connection raises, with a registry connection
+    that points nowhere: parsing must still succeed, quickly."""
+    script = f"""
+import socket, sys, time
+def refuse(*a, **k):
+    raise RuntimeError("network touched at parse time")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+t = time.time()
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder={str(DAGS)!r})
+print(len(bag.dags), repr(bag.import_errors), round(time.time() - t, 1))
+sys.exit(1 if bag.import_errors or len(bag.dags) != 4 else 0)
+"""
+    env = {**os.environ, "AIRFLOW_CONN_PHOTON_REGISTRY": "postgres://nobody:secret@203.0.113.1:5432/none"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_join_dag_runs_a_lease_through_spark_submit(env: Any) -> None:
+    start = (int(time.time()) - 600) * US
+    generate(
+        GeneratorSettings(events_per_s=600, dcs=("dc-a",), malformed_fraction=0.01, duplicate_fraction=0.02),
+        env.logs,
+        start_us=start,
+        end_us=start + 20 * US,
+    )
+    dag = dagbag().dags["photon_join_dc_a"]
+    run = dag.test(run_conf={"lease_s": 10, "trigger_interval_s": 0.5})
+    assert task_states(run) == {"joiner_lease": "success"}
+    report = audit(env.out, manifest=env.logs / "_manifest")
+    assert report.ok, report.failures()
+    assert report.outcomes["joined"] > 500 and report.quarantine["expected"] == report.quarantine["found"] > 0
+    # A second lease resumes from the committed position: nothing new to write, nothing written twice.
+    before = sorted(p.name for p in (env.out / "dc-a" / "joined").iterdir())
+    run = dag.test(run_conf={"lease_s": 10})
+    assert task_states(run) == {"joiner_lease": "success"}
+    assert sorted(p.name for p in (env.out / "dc-a" / "joined").iterdir()) == before
+
+
+def _hour(ts_us: int) -> datetime:
+    return datetime.fromtimestamp(ts_us / US, UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def test_data_quality_dag_passes_then_fails_on_a_planted_duplicate(env: Any) -> None:
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    start = (int(time.time()) - 7200) * US
+    generate(GeneratorSettings(events_per_s=2_000), env.logs, start_us=start, end_us=start + 20 * US)
+    perfect_output(env.logs, env.out)
+    interval_end = _hour(start) + timedelta(hours=1)  # the run whose interval holds the clicks
+    conf = {"settle_min": 0, "max_unjoinable_rate": 0.2}
+    dag = dagbag().dags["photon_data_quality"]
+
+    run = dag.test(logical_date=interval_end, run_conf=conf)
+    assert task_states(run) == {"settle": "success", "checkpoint": "success"}
+    query = XComModel.get_many(run_id=run.run_id, key="summary", dag_ids="photon_data_quality", task_ids="checkpoint")
+    with create_session() as session:
+        value = XComModel.deserialize_value(session.scalars(query).one())
+    assert value["success"] and value["joined"] > 1_000 and value["failed"] == []
+    assert (env.out / "_quality" / "data_docs" / "index.html").is_file()
+
+    row = pq.read_table(env.out / "dc-a" / "joined" / "part-0.parquet").slice(0, 1)
+    rewrite(env.out / "dc-b" / "joined" / "part-0.parquet", lambda t: pa.concat_tables([t, row]))
+    run = dag.test(logical_date=interval_end, run_conf=conf)
+    assert task_states(run)["checkpoint"] == "failed"
+
+
+def test_backfill_over_two_intervals_twice_equals_once(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHOTON_DCS", "dc-a")  # one data center keeps the test short; the DAG makes one per dc
+    first_hour = _hour(int(time.time() * US)) - timedelta(hours=4)
+    start = int(first_hour.timestamp() * US) + 30 * 60 * US  # logs from half past, over two hourly intervals
+    settings = GeneratorSettings(
+        events_per_s=40,
+        dcs=("dc-a",),
+        rotate_s=60.0,
+        chunk_s=60.0,
+        late_click_fraction=0.0,
+        late_query_file_fraction=0.0,
+        malformed_fraction=0.005,
+    )
+    generate(settings, env.logs, start_us=start, end_us=start + 60 * 60 * US)
+    dag = dagbag().dags["photon_backfill"]
+    assert [t.task_id for t in dag.tasks] == ["backfill_dc_a"]
+
+    def backfill() -> dict[str, list[str]]:
+        for hour in (1, 2):  # the runs for [first_hour, +1h) and [+1h, +2h)
+            run = dag.test(logical_date=first_hour + timedelta(hours=hour), run_conf={"max_join_delay_s": 120})
+            assert task_states(run) == {"backfill_dc_a": "success"}
+        return {
+            kind: sorted(
+                cid for p in env.out.glob(f"*/{kind}/*.parquet") for cid in pq.read_table(p)["click_id"].to_pylist()
+            )
+            for kind in ("joined", "unjoinable")
+        }
+
+    once = backfill()
+    assert sorted(p.name for p in env.out.iterdir() if not p.name.startswith("_")) == [
+        f"backfill-dc-a-{(first_hour + timedelta(hours=h)):%Y%m%dT%H%M%S}" for h in (0, 1)
+    ]
+    report = audit(env.out, manifest=env.logs / "_manifest")
+    assert report.ok, report.failures()
+    assert len(once["joined"]) > 5_000 and len(set(once["joined"])) == len(once["joined"])
+    twice = backfill()
+    assert twice == once
+    shutil.rmtree(env.out / "_quality", ignore_errors=True)
