@@ -22,6 +22,7 @@ os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "false"
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "plugins")
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
+os.environ["PHOTON_TASK_RETRIES"] = "0"  # a failing task in dag.test() fails at once instead of backing off
 
 from photon.pg import EmbeddedPostgres, create_database, drop_database, with_dbname  # noqa: E402
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -75,11 +76,12 @@ class JoinSettings:
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
     adapter: str = "photon.adapter:default_adapter"
     parallelism: int = 2  # partitions for parsing and registration
-    # A backfill's window: only files whose first event is stamped in [window_start_us, window_end_us) (query files
-    # from max_join_delay_s + window_margin_s earlier, so the window's clicks find their queries). None: every file.
+    # A backfill's window: only click files whose first event is stamped in [window_start_us, window_end_us), and
+    # query files from max_join_delay_s + window_margin_s before it to window_margin_s after it, so the window's
+    # clicks find their queries. The margin must exceed the time one log file spans. None: every file.
     window_start_us: int | None = None
     window_end_us: int | None = None
-    window_margin_s: float = 60.0
+    window_margin_s: float = 120.0
 
 
 @dataclass
@@ -376,8 +378,11 @@ class Joiner:
         is named after the data center unless given, as a backfill names its own."""
         self.dc, self.logs, self.out = dc, logs, out
         self.pipeline = pipeline or dc
-        if not self.pipeline or self.pipeline.startswith(("_", ".")) or "/" in self.pipeline:
-            raise ValueError(f"pipeline name {self.pipeline!r}: must not be empty, contain '/' or start with _ or .")
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,30}", self.pipeline):
+            raise ValueError(
+                f"pipeline name {self.pipeline!r}: 1 to 31 lowercase letters, digits, '-' or '_', "
+                "starting with a letter"
+            )
         self.servers = dict(servers)
         self.spark = spark
         self.s = settings or JoinSettings()
@@ -480,12 +485,13 @@ class Joiner:
         s = self.s
         if s.window_start_us is None or s.window_end_us is None:
             return True
-        start = s.window_start_us
+        start, end = s.window_start_us, s.window_end_us
         if kind == "queries":
             start -= int((s.max_join_delay_s + s.window_margin_s) * US)
+            end += int(s.window_margin_s * US)
         if path not in self._first_ts:
             self._first_ts[path] = first_event_us(path)
-        return start <= self._first_ts[path] < s.window_end_us
+        return start <= self._first_ts[path] < end
 
     def _retry_counts(self) -> tuple[int, int]:
         """(waiting, due) retries. Asked on every trigger, so it reads the small retry set with Arrow rather than

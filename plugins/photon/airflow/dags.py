@@ -28,12 +28,18 @@ def data_centers() -> tuple[str, ...]:
 _HOME = os.environ.get("PHOTON_HOME", ".photon")
 LOGS = "{{ var.value.get('photon_logs', '" + os.path.join(_HOME, "logs") + "') }}"
 OUT = "{{ var.value.get('photon_out', '" + os.path.join(_HOME, "out") + "') }}"
-RETRIES = {
-    "retries": 5,
-    "retry_delay": timedelta(seconds=15),
-    "retry_exponential_backoff": True,
-    "max_retry_delay": timedelta(minutes=10),
-}
+
+
+def retries() -> dict[str, Any]:
+    """Retries with exponential backoff; ``PHOTON_TASK_RETRIES`` (default 5) sets how many (tests use 0)."""
+    return {
+        "retries": int(os.environ.get("PHOTON_TASK_RETRIES", "5")),
+        "retry_delay": timedelta(seconds=15),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=10),
+    }
+
+
 JOIN_APP = str(SPARK_DIR / "photon_join.py")
 # Runs that cover an hour (data_interval_start .. data_interval_end), not points in time.
 HOURLY = CronDataIntervalTimetable("0 * * * *", timezone="UTC")
@@ -54,7 +60,7 @@ def join_dag(dc: str) -> DAG:
         catchup=False,
         max_active_runs=1,
         tags=["photon", "joiner", dc],
-        default_args=RETRIES,
+        default_args=retries(),
         params={
             "lease_s": Param(300, type="integer", minimum=10, maximum=3600, description="Seconds per lease."),
             "trigger_interval_s": Param(1.0, type="number", minimum=0.1, maximum=60, description="Between batches."),
@@ -79,8 +85,9 @@ def join_dag(dc: str) -> DAG:
 
 def backfill_dag() -> DAG:
     """Joins the logs of each data interval until caught up, one pipeline per data center and interval
-    (``backfill-<dc>-<interval start>``), for ``airflow backfill create``. Safe to rerun and to run beside the live
-    joiners: the registry lets each click into the output once, whichever pipeline registers it first."""
+    (``backfill-<dc>-<interval start as YYYYmmddHHMM>``), for ``airflow backfill create``. Safe to rerun and to run
+    beside the live joiners: the registry lets each click into the output once, whichever pipeline registers it
+    first."""
     with DAG(
         dag_id="photon_backfill",
         description="Photon backfill: join one interval of historical logs",
@@ -89,7 +96,7 @@ def backfill_dag() -> DAG:
         catchup=False,
         max_active_runs=1,
         tags=["photon", "backfill"],
-        default_args=RETRIES,
+        default_args=retries(),
         params={"max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners.")},
     ) as dag:
         for dc in data_centers():
@@ -100,7 +107,7 @@ def backfill_dag() -> DAG:
                 name=f"photon-backfill-{dc}",
                 application_args=[
                     *("--dc", dc, "--logs", LOGS, "--out", OUT),
-                    *("--pipeline", f"backfill-{dc}-" + "{{ data_interval_start | ts_nodash }}"),
+                    *("--pipeline", f"backfill-{dc}-" + "{{ data_interval_start.strftime('%Y%m%d%H%M') }}"),
                     *("--until-caught-up", "--drain", "--max-join-delay", "{{ params.max_join_delay_s }}"),
                     *("--window-start", "{{ data_interval_start.isoformat() }}"),
                     *("--window-end", "{{ data_interval_end.isoformat() }}"),
@@ -122,7 +129,7 @@ def data_quality_dag() -> DAG:
         catchup=False,
         max_active_runs=2,
         tags=["photon", "data-quality"],
-        default_args={"retries": 1, "retry_delay": timedelta(minutes=1)},
+        default_args={"retries": min(1, retries()["retries"]), "retry_delay": timedelta(minutes=1)},
         params={
             "settle_min": Param(5, type="integer", minimum=0, description="Wait after the interval before checking."),
             "max_clock_skew_s": Param(10.0, type="number", minimum=0),
