@@ -24,11 +24,11 @@ def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: i
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
     )
-    from pyspark import SparkConf
-
     if master:
         builder = builder.master(master)
-    elif not SparkConf().contains("spark.master"):  # spark-submit sets it; plain python gets local mode
+    elif "PYSPARK_GATEWAY_PORT" not in os.environ:
+        # Under spark-submit (which starts the JVM and sets PYSPARK_GATEWAY_PORT) the master is spark-submit's
+        # --master; plain python gets local mode.
         builder = builder.master("local[*]")
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
