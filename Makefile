@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo bench-registry bench-generator bench-pipeline lock clean-state
+.PHONY: setup test lint demo airflow bench-registry bench-generator bench-pipeline lock clean-state
 
 setup: $(VENV)/.ready
 
@@ -35,6 +35,10 @@ test: setup lint
 
 demo: setup
 	"$(PY)" -m photon demo
+
+# Airflow standalone with the project's DAGs on the embedded defaults (or PHOTON_REGISTRY_DSN); Ctrl-C stops it.
+airflow: setup
+	"$(PY)" -m photon airflow
 
 bench-registry: setup
 	"$(PY)" -m bench.registry $(BENCH_ARGS)

@@ -104,7 +104,12 @@ def _parse_time(text: str) -> int:
         return int(float(text) * 1_000_000)
     except ValueError:
         pass
-    dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither an ISO-8601 time (2026-11-21T10:00:00+00:00) nor epoch seconds"
+        ) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return int(dt.timestamp() * 1_000_000)
@@ -276,8 +281,8 @@ def join_cmd(
         trigger_interval_s=trigger_interval,
         adapter=adapter,
         max_click_files=int(os.environ.get("PHOTON_TEST_MAX_CLICK_FILES", JoinSettings.max_click_files)),
-        window_start_us=_iso_us(window_start),
-        window_end_us=_iso_us(window_end),
+        window_start_us=_parse_time(window_start) if window_start else None,
+        window_end_us=_parse_time(window_end) if window_end else None,
     )
     if (settings.window_start_us is None) != (settings.window_end_us is None):
         raise ValueError("give both --window-start and --window-end, or neither")
@@ -318,17 +323,52 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
-def _iso_us(text: str | None) -> int | None:
-    """An ISO-8601 time (naive means UTC) as microseconds since the epoch."""
-    if text is None:
-        return None
-    from datetime import UTC, datetime
+@app.command("airflow")
+def airflow_cmd(
+    port: Annotated[int, typer.Option(help="The Airflow UI's port.")] = 8080,
+) -> None:
+    """Run `airflow standalone` with the project's DAGs: connections from the environment (the registry from
+    PHOTON_REGISTRY_DSN, or the embedded server, kept up while Airflow runs; spark_default = local[*])."""
+    import os
+    import subprocess
 
-    try:
-        t = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an ISO-8601 time such as 2026-11-21T10:00:00+00:00") from None
-    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp() * 1_000_000)
+    from psycopg2.extensions import parse_dsn
+
+    from photon.pg import redact
+    from photon.registry_admin import init_registry
+
+    settings = load_settings()
+    servers = servers_from_settings(settings)
+    init_registry(servers)
+    root = Path(__file__).resolve().parents[2]
+    home = settings.home.resolve()
+    p = parse_dsn(servers["main"])
+    registry = {"conn_type": "postgres", "host": p.get("host"), "login": p.get("user"), "schema": p.get("dbname")}
+    registry |= {k: v for k, v in (("port", p.get("port")), ("password", p.get("password"))) if v}
+    if len(servers) > 1:
+        registry["extra"] = json.dumps({"servers": {k: v for k, v in servers.items() if k != "main"}})
+    bin_dir = str(Path(sys.executable).parent)
+    env = os.environ | {
+        "AIRFLOW_HOME": os.environ.get("AIRFLOW_HOME", str(home / "airflow")),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW_CONN_PHOTON_REGISTRY": json.dumps(registry),
+        "AIRFLOW_CONN_SPARK_DEFAULT": os.environ.get(
+            "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
+        ),
+        "AIRFLOW_VAR_PHOTON_LOGS": os.environ.get("AIRFLOW_VAR_PHOTON_LOGS", str(home / "logs")),
+        "AIRFLOW_VAR_PHOTON_OUT": os.environ.get("AIRFLOW_VAR_PHOTON_OUT", str(home / "out")),
+        "PHOTON_HOME": str(home),
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(root / "plugins"), str(root)]),
+    }
+    console.print(f"registry: {redact(servers['main'])}; Airflow home: {env['AIRFLOW_HOME']}")
+    console.print(f"UI: http://localhost:{port} (user admin; the password is printed below and kept in")
+    console.print(f"{env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)")
+    console.print(f"logs: {env['AIRFLOW_VAR_PHOTON_LOGS']}  output: {env['AIRFLOW_VAR_PHOTON_OUT']}")
+    raise typer.Exit(subprocess.call([str(Path(bin_dir) / "airflow"), "standalone"], env=env))
 
 
 def main() -> None:
