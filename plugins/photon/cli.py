@@ -17,7 +17,7 @@ from photon.registry import servers_from_settings
 from photon.settings import load_settings
 
 app = typer.Typer(help="Photon: exactly-once joins of clicks to queries across data centers.", no_args_is_help=True)
-registry_app = typer.Typer(help="The IdRegistry: init, status.", no_args_is_help=True)
+registry_app = typer.Typer(help="The IdRegistry: init, status, gc.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
 console = Console()
 
@@ -94,6 +94,45 @@ def registry_status(
                 f"{sh['bytes']:,}",
             )
         console.print(table)
+
+
+@registry_app.command("gc")
+def registry_gc(
+    retention: Annotated[
+        float, typer.Option(help="Seconds the registry remembers an id (longer than any replay of old logs).")
+    ] = 3 * 86_400.0,
+    dry_run: Annotated[bool, typer.Option(help="Report what would be freed; change nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Advance every shard's GC threshold to now - retention - max clock skew (never back), drop the partitions
+    wholly below it and delete the rows left below it; report rows and bytes freed per shard."""
+    from photon.gc import collect_garbage
+
+    settings = load_settings()
+    report = collect_garbage(
+        servers_from_settings(settings),
+        retention_s=retention,
+        max_clock_skew_s=settings.max_clock_skew_s,
+        dry_run=dry_run,
+    )
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    table = Table(title=("dry run: would free" if dry_run else "freed") + f" below {report.target_us} us")
+    for col in ("shard", "server", "threshold before", "threshold after", "partitions", "rows", "bytes"):
+        table.add_column(col, justify="left" if col in ("shard", "server") else "right")
+    for sh in report.shards:
+        table.add_row(
+            sh.shard,
+            sh.server,
+            str(sh.threshold_before_us),
+            str(sh.threshold_after_us),
+            str(len(sh.partitions)),
+            f"{sh.rows_freed + sh.straggler_rows:,}",
+            f"{sh.bytes_freed:,}",
+        )
+    console.print(table)
+    console.print(f"total: {report.rows_freed:,} rows, {report.bytes_freed:,} bytes")
 
 
 def _parse_time(text: str) -> int:

@@ -3,9 +3,13 @@ strict pattern) and go through ``psycopg2.sql.Identifier``; values are always pa
 
 from __future__ import annotations
 
+import re
+
 from psycopg2 import sql
 
 from photon.sharding import SHARD_TABLE_RE, ShardRef
+
+PARTITION_RE = re.compile(r"^ids_c[1-9][0-9]{0,8}_s(0|[1-9][0-9]{0,4})_p[0-9]+$")
 
 # Per connection: the batch goes in here by binary COPY (no WAL, no per-row statements), then one INSERT ... SELECT.
 CREATE_BATCH_TABLE = (
@@ -78,3 +82,18 @@ def count_rows(ref: ShardRef) -> sql.Composed:
 
 def qualified(ref: ShardRef) -> str:
     return f"photon.{ref.table}"
+
+
+def count_below(ref: ShardRef) -> sql.Composed:
+    return sql.SQL("SELECT count(*) FROM {} WHERE ts_us < %s").format(_table(ref))
+
+
+def delete_below(ref: ShardRef) -> sql.Composed:
+    return sql.SQL("DELETE FROM {} WHERE ts_us < %s").format(_table(ref))
+
+
+def count_partition(name: str) -> sql.Composed:
+    """Rows of one partition of a shard (its name checked against the shard-partition pattern)."""
+    if not PARTITION_RE.match(name):
+        raise ValueError(f"invalid shard partition name {name!r}")
+    return sql.SQL("SELECT count(*) FROM photon.{}").format(sql.Identifier(name))

@@ -33,6 +33,7 @@ EXPECTED = {
     "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 1),
     "photon_backfill": ("CronDataIntervalTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
     "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
+    "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
 }
 
 
@@ -114,7 +115,7 @@ t = time.time()
 from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder={str(DAGS)!r})
 print(len(bag.dags), repr(bag.import_errors), round(time.time() - t, 1))
-sys.exit(1 if bag.import_errors or len(bag.dags) != 4 else 0)
+sys.exit(1 if bag.import_errors or len(bag.dags) != {len(EXPECTED)} else 0)
 """
     env = {**os.environ, "AIRFLOW_CONN_PHOTON_REGISTRY": "postgres://nobody:secret@203.0.113.1:5432/none"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])
@@ -315,3 +316,22 @@ def test_join_lease_on_a_spark_standalone_cluster(
         apps = json.load(r)
     names = [a["name"] for a in apps["completedapps"] + apps["activeapps"]]
     assert "photon-join-dc-a" in names  # the lease ran on the cluster, not in local mode
+
+
+def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
+    from photon.ids import make_id
+    from photon.owners import create_owner
+    from photon.registry import IdRegistry
+
+    now = int(time.time() * US)
+    old, recent = [make_id("10.0.0.1", 1, now - 5 * 3600 * US + i) for i in range(100)], [make_id("10.0.0.1", 1, now)]
+    IdRegistry({"main": env.registry}).register(old + recent, create_owner(env.registry, "dc-a").token(1))
+    # A fresh DagBag per run: dag.test() in one process leaves the previous run's conf in the DAG's params.
+    run = dagbag().dags["photon_registry_gc"].test(run_conf={"retention_s": 3600, "dry_run": True})
+    assert task_states(run) == {"collect_garbage": "success"}
+    run = dagbag().dags["photon_registry_gc"].test(run_conf={"retention_s": 3600})
+    assert task_states(run) == {"collect_garbage": "success"}
+    from photon.registry_admin import status
+
+    rows = sum(sh["rows"] for cfg in status({"main": env.registry})["configs"] for sh in cfg["shards"])
+    assert rows == 1  # the 100 old ids are gone, the recent one stays

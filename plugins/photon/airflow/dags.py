@@ -174,3 +174,41 @@ def data_quality_dag() -> DAG:
 
         settle >> checkpoint(OUT)
     return dag
+
+
+def registry_gc_dag() -> DAG:
+    """Hourly registry garbage collection: advance every shard's GC threshold to now - retention - max clock skew
+    (never back), drop the partitions wholly below it, delete the rows left below it. The report (rows and bytes
+    freed per shard) is the task's XCom. With ``dry_run`` it only reports."""
+    with DAG(
+        dag_id="photon_registry_gc",
+        description="Photon registry GC: advance thresholds, drop expired partitions",
+        schedule=HOURLY,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["photon", "registry", "gc"],
+        default_args=retries(),
+        params={
+            "retention_s": Param(3 * 86_400, type="integer", minimum=60, description="How long ids are remembered."),
+            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "dry_run": Param(False, type="boolean", description="Report what would be freed; change nothing."),
+        },
+    ) as dag:
+
+        @task(task_id="collect_garbage")
+        def gc(**context: Any) -> dict[str, Any]:
+            from photon.airflow.hooks import IdRegistryHook
+            from photon.gc import collect_garbage
+
+            p = context["params"]
+            report = collect_garbage(
+                IdRegistryHook().servers(),
+                retention_s=float(p["retention_s"]),
+                max_clock_skew_s=float(p["max_clock_skew_s"]),
+                dry_run=bool(p["dry_run"]),
+            )
+            return report.to_dict()
+
+        gc()
+    return dag

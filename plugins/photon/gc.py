@@ -1,0 +1,110 @@
+"""Registry garbage collection (Photon's GC thread): per shard, move the GC threshold forward to
+``now - retention - max_clock_skew`` (never back: ``greatest()`` in the UPDATE and a trigger), then drop the time
+partitions wholly below it and delete the rows left below it in the partition it cuts through.
+
+A register transaction reads its shard's threshold FOR SHARE in the transaction that inserts, so once the new
+threshold commits no id below it can be registered: the joiner sends such a click to ``unjoinable/`` with the reason
+"older than the registry's garbage-collection threshold", and replaying old logs never duplicates output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from photon import registry_sql as q
+from photon.pg import autocommit
+from photon.registry import MAIN, read_layout
+from photon.sharding import ShardRef
+
+US = 1_000_000
+DEFAULT_RETENTION_S = 3 * 86_400  # how long the registry remembers an id: longer than any replay of old logs
+
+
+@dataclass
+class ShardGC:
+    shard: str
+    server: str
+    threshold_before_us: int
+    threshold_after_us: int
+    partitions: list[str] = field(default_factory=list)  # dropped (or, in a dry run, that would be)
+    rows_freed: int = 0
+    bytes_freed: int = 0
+    straggler_rows: int = 0  # rows below the threshold in the partition it cuts through (deleted)
+
+
+@dataclass
+class GCReport:
+    dry_run: bool
+    target_us: int
+    shards: list[ShardGC] = field(default_factory=list)
+
+    @property
+    def rows_freed(self) -> int:
+        return sum(s.rows_freed + s.straggler_rows for s in self.shards)
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(s.bytes_freed for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows_freed": self.rows_freed, "bytes_freed": self.bytes_freed}
+
+
+def gc_target_us(now_us: int, retention_s: float, max_clock_skew_s: float) -> int:
+    return now_us - int((retention_s + max_clock_skew_s) * US)
+
+
+def collect_garbage(
+    servers: Mapping[str, str],
+    *,
+    retention_s: float = DEFAULT_RETENTION_S,
+    max_clock_skew_s: float = 10.0,
+    now_us: int | None = None,
+    dry_run: bool = False,
+) -> GCReport:
+    """One GC pass over every shard of every configuration. Safe to run concurrently with itself and with joiners."""
+    if retention_s <= 0:
+        raise ValueError("retention must be positive")
+    target = gc_target_us(int(time.time() * US) if now_us is None else now_us, retention_s, max_clock_skew_s)
+    layout, _ = read_layout(servers[MAIN])
+    report = GCReport(dry_run=dry_run, target_us=target)
+    for ref in layout.shards():
+        server = layout.server_of(ref)
+        report.shards.append(_collect_shard(servers[server], server, ref, target, dry_run))
+    return report
+
+
+def _collect_shard(dsn: str, server: str, ref: ShardRef, target: int, dry_run: bool) -> ShardGC:
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute(q.READ_THRESHOLD, (ref.version, ref.shard_no))
+        row = cur.fetchone()
+        if row is None:
+            raise RuntimeError(f"shard {ref} is missing on server {server}")
+        before = int(row[0])
+        if dry_run:
+            after = max(before, target)
+        else:
+            cur.execute(q.ADVANCE_THRESHOLD, (target, ref.version, ref.shard_no))
+            after = int(cur.fetchone()[0])  # another GC may have moved it further: never back
+        out = ShardGC(str(ref), server, before, after)
+        cur.execute("SELECT * FROM photon.expired_partitions(%s, %s, %s)", (ref.version, ref.shard_no, after))
+        expired = cur.fetchall()
+        for name, _start, _end, size in expired:
+            if dry_run:
+                cur.execute(q.count_partition(name))
+                rows = int(cur.fetchone()[0])
+            else:
+                cur.execute("SELECT photon.drop_expired_partition(%s, %s, %s)", (ref.version, ref.shard_no, name))
+                rows = int(cur.fetchone()[0])
+                if rows < 0:
+                    continue  # dropped by a concurrent GC
+            out.partitions.append(str(name))
+            out.rows_freed += rows
+            out.bytes_freed += int(size)
+        cur.execute(q.count_below(ref) if dry_run else q.delete_below(ref), (after,))
+        # A dry run dropped nothing: the rows below the threshold include those of the expired partitions.
+        out.straggler_rows = int(cur.fetchone()[0]) - out.rows_freed if dry_run else cur.rowcount
+    return out
