@@ -342,6 +342,33 @@ def join_cmd(
     console.print(f"{dc}: {len(results)} batch(es) committed")
 
 
+@app.command("verify")
+def verify_cmd(
+    logs: Annotated[Path, typer.Option(help="Input logs folder (lost clicks are re-dispatched there).")],
+    out: Annotated[Path, typer.Option(help="Output folder of the pipelines.")],
+    grace: Annotated[float, typer.Option(help="Seconds without a commit before a pipeline counts as gone.")] = 600.0,
+    dry_run: Annotated[bool, typer.Option(help="Report only; change nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Find registered clicks missing from their pipeline's output whose batch is over, recover them (delete their
+    registry rows if the token still matches, re-dispatch their lines), and clear the tokens of committed output."""
+    from photon.verify import verify_and_recover
+
+    report = verify_and_recover(servers_from_settings(), out, logs, grace_s=grace, dry_run=dry_run)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    console.print(
+        f"{'dry run: ' if dry_run else ''}checked {report.checked:,} registry rows with tokens: "
+        f"{report.committed:,} committed (tokens {'to clear' if dry_run else 'cleared'}), {report.in_flight:,} in "
+        f"flight, {report.lost:,} lost, {report.recovered:,} recovered, {report.not_in_logs:,} not found in the logs"
+    )
+    for path in report.redispatched_files:
+        console.print(f"re-dispatched: {path}")
+    if report.fenced:
+        console.print(f"fenced (gone) pipelines: {', '.join(report.fenced)}")
+
+
 @app.command("demo")
 def demo(
     seconds: Annotated[float, typer.Option(help="Seconds of live logs.")] = 90.0,

@@ -34,6 +34,7 @@ EXPECTED = {
     "photon_backfill": ("CronDataIntervalTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
     "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
+    "photon_verify_recover": ("DeltaTriggerTimetable", ["verify_and_recover"], 1),
 }
 
 
@@ -335,3 +336,15 @@ def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
 
     rows = sum(sh["rows"] for cfg in status({"main": env.registry})["configs"] for sh in cfg["shards"])
     assert rows == 1  # the 100 old ids are gone, the recent one stays
+
+
+def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
+    start = (int(time.time()) - 600) * US
+    generate(GeneratorSettings(events_per_s=600, dcs=("dc-a",)), env.logs, start_us=start, end_us=start + 10 * US)
+    assert task_states(dagbag().dags["photon_join_dc_a"].test(run_conf={"lease_s": 10})) == {"joiner_lease": "success"}
+    run = dagbag().dags["photon_verify_recover"].test(run_conf={"grace_s": 600})
+    assert task_states(run) == {"verify_and_recover": "success"}
+    from photon.verify import verify_and_recover
+
+    again = verify_and_recover({"main": env.registry}, env.out, env.logs, dry_run=True)
+    assert again.checked == 0  # the DAG's run cleared every committed click's token

@@ -212,3 +212,42 @@ def registry_gc_dag() -> DAG:
 
         gc()
     return dag
+
+
+def verify_recover_dag() -> DAG:
+    """Every few minutes: find registered clicks whose output never landed and whose batch is over, recover them,
+    and clear the tokens of committed output. The report is the task's XCom."""
+    with DAG(
+        dag_id="photon_verify_recover",
+        description="Photon verification and recovery of lost joins",
+        schedule=timedelta(minutes=5),
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["photon", "registry", "verify"],
+        default_args=retries(),
+        params={
+            "grace_s": Param(600, type="integer", minimum=0, description="Idle seconds before a pipeline is gone."),
+            "dry_run": Param(False, type="boolean", description="Report only; change nothing."),
+        },
+    ) as dag:
+
+        @task(task_id="verify_and_recover")
+        def verify(logs: str, out: str, **context: Any) -> dict[str, Any]:
+            from pathlib import Path
+
+            from photon.airflow.hooks import IdRegistryHook
+            from photon.verify import verify_and_recover
+
+            p = context["params"]
+            report = verify_and_recover(
+                IdRegistryHook().servers(),
+                Path(out),
+                Path(logs),
+                grace_s=float(p["grace_s"]),
+                dry_run=bool(p["dry_run"]),
+            )
+            return report.to_dict()
+
+        verify(LOGS, OUT)
+    return dag
