@@ -59,3 +59,18 @@ REVOKE ALL ON FUNCTION photon.expired_partitions(integer, integer, bigint) FROM 
 REVOKE ALL ON FUNCTION photon.drop_expired_partition(integer, integer, text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION photon.expired_partitions(integer, integer, bigint) TO photon_gc;
 GRANT EXECUTE ON FUNCTION photon.drop_expired_partition(integer, integer, text) TO photon_gc;
+
+-- Shard sizes over time (main server): recorded by every GC run and on demand, drawn by `photon report`.
+CREATE TABLE photon.shard_history (
+    at_us           bigint  NOT NULL,
+    config_version  integer NOT NULL,
+    shard_no        integer NOT NULL,
+    server          text    NOT NULL,
+    rows            bigint  NOT NULL,
+    bytes           bigint  NOT NULL,
+    gc_threshold_us bigint  NOT NULL,
+    event           text    NOT NULL,   -- 'gc', 'sample', ...
+    PRIMARY KEY (at_us, config_version, shard_no)
+);
+GRANT SELECT, INSERT ON photon.shard_history TO photon_gc;
+GRANT SELECT ON photon.shard_history TO photon_verifier;

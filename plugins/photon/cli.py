@@ -369,6 +369,17 @@ def verify_cmd(
         console.print(f"fenced (gone) pipelines: {', '.join(report.fenced)}")
 
 
+@app.command("report")
+def report_cmd(
+    to: Annotated[Path, typer.Option(help="Folder for the PNG charts.")] = Path("report"),
+) -> None:
+    """PNG charts from the metrics tables: click latency, pipelines' shares, registry batching, shard sizes."""
+    from photon.report import render_report
+
+    for path in render_report(servers_from_settings()["main"], to):
+        console.print(f"wrote {path}")
+
+
 @app.command("demo")
 def demo(
     seconds: Annotated[float, typer.Option(help="Seconds of live logs.")] = 90.0,

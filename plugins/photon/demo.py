@@ -114,9 +114,12 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
 
     from photon.audit import audit
     from photon.cli import print_audit
+    from photon.gc import collect_garbage
     from photon.generator import GeneratorSettings, Outage, generate
     from photon.joiner import Joiner, JoinSettings
     from photon.pg import create_database, with_dbname
+    from photon.registry_admin import record_shard_sizes
+    from photon.report import render_report
     from photon.schemas import MANIFEST_DIR
     from photon.settings import load_settings
     from photon.spark_session import get_spark
@@ -170,7 +173,13 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=gen)] + [threading.Thread(target=join, args=(dc,)) for dc in ("dc-a", "dc-b")]
+    def sample() -> None:  # shard sizes over time, for the report
+        while not done.is_set():
+            record_shard_sizes(servers, "sample")
+            time.sleep(5)
+
+    threads = [threading.Thread(target=gen), threading.Thread(target=sample)]
+    threads += [threading.Thread(target=join, args=(dc,)) for dc in ("dc-a", "dc-b")]
     for t in threads:
         t.start()
     for t in threads:
@@ -179,6 +188,12 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
         raise errors[0]
     report = audit(out, manifest=logs / MANIFEST_DIR)
     print_audit(report)
+    # Once everything is decided: a GC run that keeps one minute (the shard-size chart shows what it frees).
+    record_shard_sizes(servers, "sample")
+    freed = collect_garbage(servers, retention_s=60, max_clock_skew_s=10)
+    console.print(f"registry GC keeping 60 s: {freed.rows_freed:,} rows freed")
+    charts = render_report(servers["main"], run / "report")
+    console.print(f"charts: {', '.join(str(c) for c in charts)}")
     if report.ok:
         shutil.rmtree(logs, ignore_errors=True)  # the logs are only needed to look into a failure
         console.print(f"output kept in {out}")

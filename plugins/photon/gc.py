@@ -74,6 +74,10 @@ def collect_garbage(
     for ref in layout.shards():
         server = layout.server_of(ref)
         report.shards.append(_collect_shard(servers[server], server, ref, target, dry_run))
+    if not dry_run:
+        from photon.registry_admin import record_shard_sizes
+
+        record_shard_sizes(servers, "gc")
     return report
 
 

@@ -187,3 +187,24 @@ def _shard_facts(dsn: str | None, ref: ShardRef, exact: bool) -> dict[str, Any]:
         }
     except Exception as exc:
         return {"error": str(exc).strip()}
+
+
+def record_shard_sizes(servers: Mapping[str, str], event: str, *, at_us: int | None = None) -> int:
+    """Append every shard's rows, bytes and GC threshold to ``photon.shard_history`` (for `photon report`)."""
+    import time
+
+    at = int(time.time() * 1_000_000) if at_us is None else at_us
+    st = status(servers, exact=True)
+    rows = [
+        (at, cfg["version"], sh["shard"], sh["server"], sh["rows"], sh["bytes"], sh["gc_threshold_us"], event)
+        for cfg in st["configs"]
+        for sh in cfg["shards"]
+        if "error" not in sh
+    ]
+    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO photon.shard_history (at_us, config_version, shard_no, server, rows, bytes, gc_threshold_us,"
+            " event) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            rows,
+        )
+    return len(rows)

@@ -21,6 +21,7 @@ from photon.joiner import REASON_GC, Joiner, JoinSettings
 from photon.owners import create_owner
 from photon.registry import IdRegistry, Outcome
 from photon.registry_admin import init_registry, status
+from photon.report import render_report
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -156,3 +157,10 @@ def test_gc_while_two_joiners_replay_old_logs(tmp_path: Path, servers: dict[str,
     assert refused and refused <= old_clicks  # only the replayed old clicks, each with the GC reason
     second = audit(out, manifest=new / "_manifest")
     assert second.duplicate_clicks == 0 and second.lost == 0 and second.wrong_query == 0
+
+    # The run's metrics and the GC runs' shard sizes draw the report's charts.
+    charts = render_report(servers["main"], tmp_path / "report")
+    assert [c.name for c in charts] == ["latency.png", "shares.png", "registry_batching.png", "shard_sizes.png"]
+    for c in charts:
+        data = c.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

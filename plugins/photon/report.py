@@ -1,0 +1,124 @@
+"""`photon report`: PNG charts from the metrics tables, like the Photon paper's figures.
+
+- ``latency.png``: click latency p50/p90/p99 per batch over time, per pipeline (``photon.batch_metrics``);
+- ``shares.png``: each pipeline's share of the joins over time, in 10-second bins: when one pipeline is down, the
+  other takes over;
+- ``registry_batching.png``: registry rows per transaction per batch (the server-side batching Photon relies on);
+- ``shard_sizes.png``: rows per shard over time (``photon.shard_history``, recorded by GC runs and samples).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from photon.pg import autocommit
+
+US = 1_000_000
+BIN_S = 10
+
+
+def _metrics(main: str) -> dict[str, dict[str, np.ndarray]]:
+    with autocommit(main) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT pipeline, started_at_us, duration_s, joined, registry_rows, registry_txns,"
+            " coalesce(latency_p50_s, 'NaN'), coalesce(latency_p90_s, 'NaN'), coalesce(latency_p99_s, 'NaN')"
+            " FROM photon.batch_metrics ORDER BY started_at_us"
+        )
+        rows = cur.fetchall()
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for p in sorted({r[0] for r in rows}):
+        mine = np.array([r[1:] for r in rows if r[0] == p], dtype=np.float64)
+        out[p] = {
+            "t": mine[:, 0] / US,
+            "duration": mine[:, 1],
+            "joined": mine[:, 2],
+            "rows": mine[:, 3],
+            "txns": mine[:, 4],
+            "p50": mine[:, 5],
+            "p90": mine[:, 6],
+            "p99": mine[:, 7],
+        }
+    return out
+
+
+def render_report(main: str, to: Path) -> list[Path]:
+    """Draw the charts from the registry's main server into ``to``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    to.mkdir(parents=True, exist_ok=True)
+    m = _metrics(main)
+    t0 = min((float(v["t"].min()) for v in m.values() if len(v["t"])), default=0.0)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for p, v in m.items():
+        ok = ~np.isnan(v["p90"])
+        for q, style in (("p50", ":"), ("p90", "-"), ("p99", "--")):
+            ax.plot(v["t"][ok] - t0, v[q][ok], style, label=f"{p} {q}")
+    ax.set(xlabel="seconds since the first batch", ylabel="click latency, s", title="Click latency per batch")
+    ax.legend(ncol=2, fontsize=8)
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, to / "latency.png"))
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    end = max((float(v["t"].max()) for v in m.values() if len(v["t"])), default=t0) - t0
+    edges = np.arange(0, end + 2 * BIN_S, BIN_S)
+    counts = {p: np.histogram(v["t"] - t0, bins=edges, weights=v["joined"])[0] for p, v in m.items()}
+    total = np.maximum(sum(counts.values(), np.zeros(len(edges) - 1)), 1)
+    bottom = np.zeros(len(edges) - 1)
+    for p, c in counts.items():
+        ax.bar(edges[:-1], c / total * 100, width=BIN_S, bottom=bottom, align="edge", label=p)
+        bottom += c / total * 100
+    ax.set(
+        xlabel="seconds since the first batch",
+        ylabel="share of joins, %",
+        title=f"Each pipeline's share of the joins ({BIN_S} s bins)",
+    )
+    ax.legend()
+    written.append(_save(fig, to / "shares.png"))
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for p, v in m.items():
+        ok = v["txns"] > 0
+        ax.plot(v["t"][ok] - t0, v["rows"][ok] / v["txns"][ok], ".", label=p)
+    ax.set(
+        xlabel="seconds since the first batch",
+        ylabel="rows per registry transaction",
+        title="Registry batching: rows per transaction",
+        yscale="log",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, to / "registry_batching.png"))
+
+    with autocommit(main) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT at_us, config_version, shard_no, rows, event FROM photon.shard_history ORDER BY at_us, 2, 3"
+        )
+        hist = cur.fetchall()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key in sorted({(v, s) for _, v, s, _, _ in hist}):
+        pts = [(a, r) for a, v, s, r, _ in hist if (v, s) == key]
+        ax.plot([(a / US) - t0 for a, _ in pts], [r for _, r in pts], "-o", ms=3, label=f"c{key[0]}/s{key[1]}")
+    for a in sorted({a for a, _, _, _, e in hist if e == "gc"}):
+        ax.axvline(a / US - t0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="seconds since the first batch (dashed: GC runs)", ylabel="rows", title="Registry rows per shard")
+    if hist:
+        ax.legend(ncol=4, fontsize=8)
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, to / "shard_sizes.png"))
+    return written
+
+
+def _save(fig: object, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()  # type: ignore[attr-defined]
+    fig.savefig(path, dpi=110)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    return path
