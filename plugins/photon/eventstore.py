@@ -48,9 +48,10 @@ class LookupStats:
 class EventStoreCache:
     """Per-process cache of stored buckets for one pipeline's EventStore."""
 
-    def __init__(self, root: Path, max_buckets: int):
+    def __init__(self, root: Path, max_buckets: int, max_rows: int = 5_000_000):
         self.root = root
         self.max_buckets = max(1, max_buckets)
+        self.max_rows = max(1, max_rows)  # memory bound: at 100k queries/s, 30 minutes would not fit in a worker
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
 
     def lookup(
@@ -106,9 +107,12 @@ class EventStoreCache:
         if changed or entry.table is None:
             # Zero-copy: a chunk per file. Only the id column is ever combined, for the hash lookup.
             entry.table = pa.concat_tables(entry.files.values()) if entry.files else None
-        while len(self.buckets) > self.max_buckets:
-            self.buckets.popitem(last=False)
+        while len(self.buckets) > 1 and (len(self.buckets) > self.max_buckets or self.rows() > self.max_rows):
+            self.buckets.popitem(last=False)  # least recently used first; the bucket just read stays
         return entry.table
+
+    def rows(self) -> int:
+        return sum(b.table.num_rows for b in self.buckets.values() if b.table is not None)
 
 
 def _nulls(n: int) -> pa.Table:
@@ -120,11 +124,12 @@ def _nulls(n: int) -> pa.Table:
 _CACHES: dict[str, EventStoreCache] = {}
 
 
-def cache_for(root: Path, max_buckets: int) -> EventStoreCache:
+def cache_for(root: Path, max_buckets: int, max_rows: int = 5_000_000) -> EventStoreCache:
     """The process's cache for one pipeline's store (Python workers are reused across tasks and batches)."""
     key = str(root)
-    if key not in _CACHES or _CACHES[key].max_buckets != max_buckets:
-        _CACHES[key] = EventStoreCache(root, max_buckets)
+    cache = _CACHES.get(key)
+    if cache is None or (cache.max_buckets, cache.max_rows) != (max_buckets, max_rows):
+        _CACHES[key] = EventStoreCache(root, max_buckets, max_rows)
     return _CACHES[key]
 
 

@@ -72,7 +72,8 @@ class JoinSettings:
     retry_base_s: float = 1.0  # first retry after this long, doubling up to retry_max_s
     retry_max_s: float = 16.0
     bucket_s: int = 10  # EventStore time bucket: a lookup hashes the ids of the buckets its clicks need
-    cache_buckets: int = 180  # buckets of queries kept in each Python worker (the CacheEventStore): 30 minutes
+    cache_buckets: int = 180  # buckets of queries kept in each Python worker (the CacheEventStore): 30 minutes...
+    cache_max_rows: int = 5_000_000  # ...or fewer, so that a worker's cache stays around a gigabyte
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
     adapter: str = "photon.adapter:default_adapter"
     parallelism: int = 2  # partitions for parsing and registration
@@ -158,6 +159,7 @@ class _Task:
     token: int
     bucket_s: int
     cache_buckets: int
+    cache_max_rows: int
     max_join_delay_us: int
     retry_base_s: float
     retry_max_s: float
@@ -282,7 +284,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         give_up(due.filter(pa.array(~taken & found.too_old)), REASON_GC)
         live = due.filter(pa.array(~taken & ~found.too_old))
         # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries.
-        cache = cache_for(state / "eventstore", t.cache_buckets)
+        cache = cache_for(state / "eventstore", t.cache_buckets, t.cache_max_rows)
         queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
         miss = live.filter(pa.array(~hit))
@@ -516,6 +518,7 @@ class Joiner:
             token=self.lease.token(k).value,
             bucket_s=self.s.bucket_s,
             cache_buckets=self.s.cache_buckets,
+            cache_max_rows=self.s.cache_max_rows,
             max_join_delay_us=int(self.s.max_join_delay_s * US),
             retry_base_s=self.s.retry_base_s,
             retry_max_s=self.s.retry_max_s,

@@ -76,3 +76,13 @@ def test_duplicates_invalid_ids_and_eviction(tmp_path: Path) -> None:
     assert len(cache.buckets) == 2
     _, found, stats = cache.lookup(ids([T0]), BUCKET_S)
     assert found.tolist() == [True] and stats.hits == 0 and stats.files_read == 2
+
+
+def test_row_bound_evicts_least_recently_used_buckets(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    for i in range(3):
+        write_queries(queries([T0 + i * 10_000_000 + j for j in range(10)]), store, f"b{i}-q0", BUCKET_S)
+    cache = EventStoreCache(store, max_buckets=10, max_rows=25)
+    for i in range(3):
+        assert cache.lookup(ids([T0 + i * 10_000_000]), BUCKET_S)[1].tolist() == [True]
+    assert len(cache.buckets) == 2 and cache.rows() == 20  # the oldest bucket went to keep 25 rows at most

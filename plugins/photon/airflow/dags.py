@@ -45,6 +45,11 @@ JOIN_APP = str(SPARK_DIR / "photon_join.py")
 HOURLY = CronDataIntervalTimetable("0 * * * *", timezone="UTC")
 
 
+def _dag(**kwargs: Any) -> DAG:
+    """A DAG with the project's common settings: no catch-up of missed intervals (backfills are explicit)."""
+    return DAG(start_date=START, catchup=False, **kwargs)
+
+
 def dag_id_for(dc: str) -> str:
     return f"photon_join_{dc.replace('-', '_')}"
 
@@ -52,12 +57,10 @@ def dag_id_for(dc: str) -> str:
 def join_dag(dc: str) -> DAG:
     """One joiner lease per run; the next run starts as soon as this one ends. A failed lease is retried with
     backoff and resumes from the committed position (a new lease fences the old one)."""
-    with DAG(
+    with _dag(
         dag_id=dag_id_for(dc),
         description=f"Photon joiner for {dc}: one lease of micro-batches per run",
         schedule="@continuous",
-        start_date=START,
-        catchup=False,
         max_active_runs=1,
         tags=["photon", "joiner", dc],
         default_args=retries(),
@@ -68,19 +71,29 @@ def join_dag(dc: str) -> DAG:
         },
         doc_md=__doc__,
     ) as dag:
-        PhotonSparkSubmitOperator(
-            task_id="joiner_lease",
-            application=JOIN_APP,
-            conn_id="spark_default",
-            name=f"photon-join-{dc}",
-            application_args=[
-                *("--dc", dc, "--logs", LOGS, "--out", OUT),
-                *("--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"),
-                *("--max-join-delay", "{{ params.max_join_delay_s }}"),
-            ],
-            execution_timeout=timedelta(hours=2),
+        _joiner_task(
+            "joiner_lease",
+            f"photon-join-{dc}",
+            dc,
+            ["--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"],
+            timedelta(hours=2),
         )
     return dag
+
+
+def _joiner_task(task_id: str, name: str, dc: str, args: list[str], timeout: timedelta) -> PhotonSparkSubmitOperator:
+    """A joiner run through spark-submit (``spark/photon_join.py``) on ``spark_default``."""
+    return PhotonSparkSubmitOperator(
+        task_id=task_id,
+        application=JOIN_APP,
+        conn_id="spark_default",
+        name=name,
+        application_args=[
+            *("--dc", dc, "--logs", LOGS, "--out", OUT, "--max-join-delay", "{{ params.max_join_delay_s }}"),
+            *args,
+        ],
+        execution_timeout=timeout,
+    )
 
 
 def backfill_dag() -> DAG:
@@ -88,31 +101,27 @@ def backfill_dag() -> DAG:
     (``backfill-<dc>-<interval start as YYYYmmddHHMM>``), for ``airflow backfill create``. Safe to rerun and to run
     beside the live joiners: the registry lets each click into the output once, whichever pipeline registers it
     first."""
-    with DAG(
+    with _dag(
         dag_id="photon_backfill",
         description="Photon backfill: join one interval of historical logs",
         schedule=HOURLY,
-        start_date=START,
-        catchup=False,
         max_active_runs=1,
         tags=["photon", "backfill"],
         default_args=retries(),
         params={"max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners.")},
     ) as dag:
         for dc in data_centers():
-            PhotonSparkSubmitOperator(
-                task_id=f"backfill_{dc.replace('-', '_')}",
-                application=JOIN_APP,
-                conn_id="spark_default",
-                name=f"photon-backfill-{dc}",
-                application_args=[
-                    *("--dc", dc, "--logs", LOGS, "--out", OUT),
+            _joiner_task(
+                f"backfill_{dc.replace('-', '_')}",
+                f"photon-backfill-{dc}",
+                dc,
+                [
                     *("--pipeline", f"backfill-{dc}-" + "{{ data_interval_start.strftime('%Y%m%d%H%M') }}"),
-                    *("--until-caught-up", "--drain", "--max-join-delay", "{{ params.max_join_delay_s }}"),
+                    *("--until-caught-up", "--drain"),
                     *("--window-start", "{{ data_interval_start.isoformat() }}"),
                     *("--window-end", "{{ data_interval_end.isoformat() }}"),
                 ],
-                execution_timeout=timedelta(hours=6),
+                timedelta(hours=6),
             )
     return dag
 
@@ -121,12 +130,10 @@ def data_quality_dag() -> DAG:
     """A Great Expectations checkpoint over every pipeline's output for the clicks of one interval, once the
     joiners have had ``settle_min`` minutes to decide them. The task fails when the checkpoint fails; its summary goes
     to XCom (``return_value`` when it passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``."""
-    with DAG(
+    with _dag(
         dag_id="photon_data_quality",
         description="Photon data quality: a GX checkpoint per interval, with Data Docs",
         schedule=HOURLY,
-        start_date=START,
-        catchup=False,
         max_active_runs=2,
         tags=["photon", "data-quality"],
         default_args={"retries": min(1, retries()["retries"]), "retry_delay": timedelta(minutes=1)},
@@ -180,12 +187,10 @@ def registry_gc_dag() -> DAG:
     """Hourly registry garbage collection: advance every shard's GC threshold to now - retention - max clock skew
     (never back), drop the partitions wholly below it, delete the rows left below it. The report (rows and bytes
     freed per shard) is the task's XCom. With ``dry_run`` it only reports."""
-    with DAG(
+    with _dag(
         dag_id="photon_registry_gc",
         description="Photon registry GC: advance thresholds, drop expired partitions",
         schedule=HOURLY,
-        start_date=START,
-        catchup=False,
         max_active_runs=1,
         tags=["photon", "registry", "gc"],
         default_args=retries(),
@@ -217,12 +222,10 @@ def registry_gc_dag() -> DAG:
 def verify_recover_dag() -> DAG:
     """Every few minutes: find registered clicks whose output never landed and whose batch is over, recover them,
     and clear the tokens of committed output. The report is the task's XCom."""
-    with DAG(
+    with _dag(
         dag_id="photon_verify_recover",
         description="Photon verification and recovery of lost joins",
         schedule=timedelta(minutes=5),
-        start_date=START,
-        catchup=False,
         max_active_runs=1,
         tags=["photon", "registry", "verify"],
         default_args=retries(),
