@@ -76,7 +76,7 @@ class JoinSettings:
     cache_max_rows: int = 5_000_000  # ...or fewer, so that a worker's cache stays around a gigabyte
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
     adapter: str = "photon.adapter:default_adapter"
-    parallelism: int = 2  # partitions for parsing and registration
+    parallelism: int | None = None  # tasks per stage; None: the session's default parallelism (its cores)
     # A backfill's window: only click files whose first event is stamped in [window_start_us, window_end_us), and
     # query files from max_join_delay_s + window_margin_s before it to window_margin_s after it, so the window's
     # clicks find their queries. The margin must exceed the time one log file spans. None: every file.
@@ -397,6 +397,7 @@ class Joiner:
         self.consumed: set[tuple[str, str]] = set()
         self.retry_dir: Path | None = None
         self._first_ts: dict[Path, int] = {}
+        self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
     # lease start: recover, then load state --------------------------------------------------------------
@@ -527,7 +528,7 @@ class Joiner:
 
     def _tasks(self, n: int) -> Any:
         """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
-        return self.spark.range(0, n, 1, max(1, min(n, self.s.parallelism)))
+        return self.spark.range(0, n, 1, max(1, min(n, self.parallelism)))
 
     def run_batch(self, k: int, q_files: list[str], c_files: list[str]) -> BatchResult:
         """One micro-batch, one Spark job of two stages: parse (and store the new queries), shuffle by click id,
@@ -553,7 +554,7 @@ class Joiner:
             rows = (
                 self._tasks(len(sources))
                 .mapInArrow(_source_task(t, sources), from_arrow_schema(CANDIDATE))
-                .repartition(max(1, self.s.parallelism), "click_id")
+                .repartition(self.parallelism, "click_id")
                 .mapInArrow(_join_task(t), from_arrow_schema(JOIN_TASK))
                 .collect()
             )

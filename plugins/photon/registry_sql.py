@@ -44,6 +44,9 @@ def _table(ref: ShardRef) -> sql.Composed:
     return sql.SQL("photon.{}").format(sql.Identifier(name))
 
 
+shard_table = _table  # the qualified, checked identifier of a shard's table, for other modules' statements
+
+
 def copy_into(ref: ShardRef, threshold: int) -> sql.Composed:
     """The fast path: bulk COPY straight into the shard. It succeeds only if every id is new (one id already there
     fails it with a unique violation), and its WHERE repeats the client's filter: nothing below the locked threshold.

@@ -39,7 +39,7 @@ from photon.ids import EventKeys, format_id
 from photon.parse import parse_file
 from photon.pg import autocommit, connect
 from photon.registry import MAIN, read_layout
-from photon.registry_sql import _table
+from photon.registry_sql import shard_table
 from photon.schemas import JOINED, JOINED_SCHEMA
 
 US = 1_000_000
@@ -94,7 +94,7 @@ def _tokened_rows(servers: Mapping[str, str]) -> pa.Table:
     for ref in layout.shards():
         server = layout.server_of(ref)
         with autocommit(servers[server]) as conn, conn.cursor() as cur:
-            cur.execute(sql.SQL("SELECT ts_us, src, token FROM {} WHERE token IS NOT NULL").format(_table(ref)))
+            cur.execute(sql.SQL("SELECT ts_us, src, token FROM {} WHERE token IS NOT NULL").format(shard_table(ref)))
             rows = np.array(cur.fetchall(), dtype=np.int64).reshape(-1, 3)
         n = len(rows)
         parts.append(
@@ -149,8 +149,9 @@ def verify_and_recover(
         over = done | ((b > pipe.last_batch) & gone)
         report.in_flight += int(np.count_nonzero(~over))
         judged = mine.filter(pa.array(over))
-        present = judged.join(_output_keys(out, name), ["ts_us", "src"], join_type="left semi")
-        missing = judged.join(_output_keys(out, name), ["ts_us", "src"], join_type="left anti")
+        output = _output_keys(out, name)
+        present = judged.join(output, ["ts_us", "src"], join_type="left semi")
+        missing = judged.join(output, ["ts_us", "src"], join_type="left anti")
         committed_rows = present.filter(pc.is_in(present["batch"], pa.array(sorted(pipe.published), pa.int64())))
         report.committed += committed_rows.num_rows
         report.lost += missing.num_rows
@@ -209,7 +210,7 @@ def _apply(servers: Mapping[str, str], t: pa.Table, statement: str) -> None:
         try:
             with conn.cursor() as cur:
                 values = list(zip(*(part[c].to_pylist() for c in ("ts_us", "src", "token")), strict=True))
-                query = sql.SQL(statement).format(t=_table(ShardRef(version, shard))).as_string(conn)
+                query = sql.SQL(statement).format(t=shard_table(ShardRef(version, shard))).as_string(conn)
                 execute_values(cur, query, values, page_size=5_000)
             conn.commit()
         finally:
