@@ -62,6 +62,17 @@ class RegistryInvariantError(RegistryError):
     """The database answered something that cannot happen; the transaction was rolled back."""
 
 
+class StaleLayoutError(RegistryError):
+    """The shard's server enforces a newer shard configuration than the client routed with: nothing was written.
+    The client reloads the layout and routes again (unless told not to follow layout changes)."""
+
+    def __init__(self, shard: ShardRef, client_version: int, server_version: int):
+        self.shard, self.client_version, self.server_version = shard, client_version, server_version
+        super().__init__(
+            f"shard {shard}: routed with shard configuration v{client_version}, the server enforces v{server_version}"
+        )
+
+
 class PartialRegistrationError(RegistryError):
     """Some shards committed, others failed. The committed shards hold this batch's token: retrying the batch with
     the same token completes it (their ids come back ``WON_AGAIN``); otherwise the verifier recovers them."""
@@ -86,6 +97,7 @@ class RegistryOptions:
     max_future_s: float = 86_400.0
     application_name: str = "photon-registry"
     fast_path: bool = True  # try the all-new bulk COPY first; False: always the conditional INSERT
+    follow_layout: bool = True  # on StaleLayoutError reload the shard configuration and route again
 
 
 @dataclass(frozen=True)
@@ -265,15 +277,27 @@ class IdRegistry:
             return RegisterResult(keys, np.empty(0, dtype=np.int8))
         uniq, inverse = dedup(keys)
         ukeys = keys.take(uniq)
-        groups = self._groups(ukeys)
-        self._connect_all([ref for ref, _ in groups])
         outcomes = np.empty(len(ukeys), dtype=np.int8)
-        stats, failed = self._run_groups(
-            groups, lambda ref, pos: self._register_shard(ref, ukeys.take(pos), token), outcomes
-        )
+        todo = np.arange(len(ukeys))
+        all_stats: list[ShardStats] = []
+        for _ in range(3):  # a layout change between two reads is possible, three in a row is not
+            groups = [(ref, todo[pos]) for ref, pos in self._groups(ukeys.take(todo))]
+            self._connect_all([ref for ref, _ in groups])
+            stats, failed = self._run_groups(
+                groups, lambda ref, pos: self._register_shard(ref, ukeys.take(pos), token), outcomes
+            )
+            all_stats += stats
+            stale = {ref: exc for ref, exc in failed.items() if isinstance(exc, StaleLayoutError)}
+            if len(stale) < len(failed) or not stale or not self.options.follow_layout:
+                break
+            # Nothing was written on the refusing shards: route their ids again with the new layout.
+            self.layout(refresh=True)
+            todo = np.concatenate([pos for ref, pos in groups if ref in stale])
         if failed:
-            raise PartialRegistrationError([s.shard for s in stats], failed)
-        return RegisterResult(keys, outcomes[inverse], stats)
+            if not all_stats and all(isinstance(e, StaleLayoutError) for e in failed.values()):
+                raise next(iter(failed.values()))  # refused everywhere, nothing written: the plain refusal
+            raise PartialRegistrationError([s.shard for s in all_stats], failed)
+        return RegisterResult(keys, outcomes[inverse], all_stats)
 
     def lookup(self, ids: EventKeys | Iterable[object] | pa.Array) -> LookupResult:
         """Batched read of which ids are registered (and by which token). A hint for the dispatcher only:
@@ -460,6 +484,10 @@ class IdRegistry:
             n = len(keys)
             out = np.full(n, Outcome.TOO_OLD, dtype=np.int8)
             with conn.cursor() as cur:
+                cur.execute(q.LOCK_LAYOUT_VERSION)
+                enforced = cur.fetchone()
+                if enforced is not None and int(enforced[0]) > self.layout().version:
+                    raise StaleLayoutError(ref, self.layout().version, int(enforced[0]))
                 cur.execute(q.LOCK_THRESHOLD, (ref.version, ref.shard_no))
                 row = cur.fetchone()
                 if row is None:

@@ -96,6 +96,11 @@ class ShardLayout:
         self._versions = np.array([c.version for c in active], dtype=np.int64)
         self._counts = np.array([c.num_shards for c in active], dtype=np.uint64)
 
+    @property
+    def version(self) -> int:
+        """The newest active configuration: a server refuses a client whose layout is older than its own."""
+        return max(c.version for c in self.configs)
+
     def config_at(self, ts_us: int) -> ShardConfig:
         idx = int(np.searchsorted(self._starts, ts_us, side="right")) - 1
         return self.configs[max(idx, 0)]
