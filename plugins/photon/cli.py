@@ -17,7 +17,7 @@ from photon.registry import servers_from_settings
 from photon.settings import load_settings
 
 app = typer.Typer(help="Photon: exactly-once joins of clicks to queries across data centers.", no_args_is_help=True)
-registry_app = typer.Typer(help="The IdRegistry: init, status, gc.", no_args_is_help=True)
+registry_app = typer.Typer(help="The IdRegistry: init, status, gc, reshard.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
 console = Console()
 
@@ -133,6 +133,38 @@ def registry_gc(
         )
     console.print(table)
     console.print(f"total: {report.rows_freed:,} rows, {report.bytes_freed:,} bytes")
+
+
+@registry_app.command("reshard")
+def registry_reshard(
+    shards: Annotated[int, typer.Option(help="Shard count of the new configuration.")],
+    place: Annotated[str, typer.Option(help="Comma-separated servers to place shards on, round-robin.")] = "main",
+    lead: Annotated[float, typer.Option(help="Seconds from now until the new configuration takes effect.")] = 120.0,
+    grace: Annotated[float, typer.Option(help="A pipeline that committed within this many seconds is live.")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Plan a new shard configuration effective at now + lead, wait for every live joiner to acknowledge it, then
+    activate it (or abort and leave the current one in force). Exit status 1 if aborted."""
+    from photon.reshard import reshard
+
+    settings = load_settings()
+    report = reshard(
+        servers_from_settings(settings),
+        num_shards=shards,
+        placement=[p.strip() for p in place.split(",") if p.strip()],
+        lead_s=lead,
+        max_clock_skew_s=settings.max_clock_skew_s,
+        grace_s=grace,
+    )
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        console.print(
+            f"shard configuration v{report.version} ({report.num_shards} shards, valid from {report.valid_from_us} us):"
+            f" {report.state} after {report.waited_s:.1f}s; acknowledged by {report.acknowledged or 'no live joiner'}"
+            + (f"; {report.reason}" if report.reason else "")
+        )
+    raise typer.Exit(0 if report.state == "active" else 1)
 
 
 def _parse_time(text: str) -> int:

@@ -35,6 +35,7 @@ EXPECTED = {
     "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
     "photon_verify_recover": ("DeltaTriggerTimetable", ["verify_and_recover"], 1),
+    "photon_reshard": ("NullTimetable", ["reshard"], 1),
 }
 
 
@@ -92,7 +93,7 @@ def test_dags_import_cleanly_with_the_expected_shape(monkeypatch: pytest.MonkeyP
         assert sorted(t.task_id for t in dag.tasks) == sorted(tasks), dag_id
         assert dag.max_active_runs == max_runs and not dag.catchup, dag_id
         assert "photon" in dag.tags, dag_id
-        assert all(t.retries >= 1 for t in dag.tasks), dag_id
+        assert all(t.retries >= 1 for t in dag.tasks) or dag_id == "photon_reshard", dag_id  # a reshard is not retried
         assert dag.params and all(isinstance(dag.params.get_param(k), Param) for k in dag.params), dag_id
         assert all(dag.params.get_param(k).schema.get("type") for k in dag.params), dag_id  # the UI's form
     join = bag.dags["photon_join_dc_a"].get_task("joiner_lease")
@@ -348,3 +349,12 @@ def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
 
     again = verify_and_recover({"main": env.registry}, env.out, env.logs, dry_run=True)
     assert again.checked == 0  # the DAG's run cleared every committed click's token
+
+
+def test_reshard_dag_activates_a_new_configuration(env: Any) -> None:
+    from photon.registry_admin import status
+
+    run = dagbag().dags["photon_reshard"].test(run_conf={"num_shards": 6, "lead_s": 3, "max_clock_skew_s": 1})
+    assert task_states(run) == {"reshard": "success"}
+    configs = status({"main": env.registry})["configs"]
+    assert [(c["version"], c["num_shards"], c["state"]) for c in configs] == [(1, 4, "active"), (2, 6, "active")]

@@ -254,3 +254,51 @@ def verify_recover_dag() -> DAG:
 
         verify(LOGS, OUT)
     return dag
+
+
+def reshard_dag() -> DAG:
+    """Manual: plan a new shard configuration effective ``lead_s`` from now, wait for every live joiner to
+    acknowledge it, then activate it; the task fails (and the plan is aborted) if they do not in time."""
+    with _dag(
+        dag_id="photon_reshard",
+        description="Photon resharding: a new shard configuration, acknowledged by the joiners",
+        schedule=None,
+        max_active_runs=1,
+        tags=["photon", "registry", "reshard"],
+        default_args={"retries": 0},
+        params={
+            "num_shards": Param(8, type="integer", minimum=1, maximum=4096, description="Shards of the new config."),
+            "placement": Param(
+                ["main"], type="array", items={"type": "string"}, description="Servers, shards round-robin."
+            ),
+            "lead_s": Param(120, type="integer", minimum=1, description="Seconds until the new config takes effect."),
+            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "grace_s": Param(
+                60, type="integer", minimum=1, description="A joiner that committed this recently is live."
+            ),
+        },
+    ) as dag:
+
+        @task(task_id="reshard")
+        def run(**context: Any) -> dict[str, Any]:
+            from airflow.sdk.exceptions import AirflowFailException
+
+            from photon.airflow.hooks import IdRegistryHook
+            from photon.reshard import reshard
+
+            p = context["params"]
+            report = reshard(
+                IdRegistryHook().servers(),
+                num_shards=int(p["num_shards"]),
+                placement=list(p["placement"]),
+                lead_s=float(p["lead_s"]),
+                max_clock_skew_s=float(p["max_clock_skew_s"]),
+                grace_s=float(p["grace_s"]),
+            )
+            context["ti"].xcom_push(key="report", value=report.to_dict())
+            if report.state != "active":
+                raise AirflowFailException(f"reshard to v{report.version} aborted: {report.reason}")
+            return report.to_dict()
+
+        run()
+    return dag
