@@ -108,7 +108,8 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
 
 def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, console: Console) -> bool:
     """Both data centers end to end: live logs with late queries, duplicates, malformed lines and an outage of
-    dc-b's replica; both joiners at once; then the independent audit."""
+    dc-b's replica; both joiners at once, a reshard from 4 to 8 shards while they run; then the independent audit,
+    a registry GC, and the report's charts."""
     import shutil
     import threading
 
@@ -120,6 +121,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     from photon.pg import create_database, with_dbname
     from photon.registry_admin import record_shard_sizes
     from photon.report import render_report
+    from photon.reshard import reshard
     from photon.schemas import MANIFEST_DIR
     from photon.settings import load_settings
     from photon.spark_session import get_spark
@@ -178,7 +180,18 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
             record_shard_sizes(servers, "sample")
             time.sleep(5)
 
-    threads = [threading.Thread(target=gen), threading.Thread(target=sample)]
+    def grow() -> None:  # a reshard from 4 to 8 shards while both joiners run, effective 30 s after it starts
+        try:
+            time.sleep(seconds / 5)
+            r = reshard(servers, num_shards=8, lead_s=30, max_clock_skew_s=settings.max_clock_skew_s)
+            console.print(
+                f"  reshard to v{r.version} ({r.num_shards} shards): {r.state} after {r.waited_s:.1f}s, acknowledged "
+                f"by {', '.join(sorted(r.acknowledged))}; in force from {r.valid_from_us} us {r.reason}"
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=gen), threading.Thread(target=sample), threading.Thread(target=grow)]
     threads += [threading.Thread(target=join, args=(dc,)) for dc in ("dc-a", "dc-b")]
     for t in threads:
         t.start()

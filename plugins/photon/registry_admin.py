@@ -140,7 +140,7 @@ def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
     out["owners"] = {"total": int(total), "not_ended": int(live)}
     for version, valid_from, num, state in configs:
         shards = []
-        for shard_no in range(num):
+        for shard_no in range(num if state != "aborted" else 0):  # an aborted plan's shards were removed
             ref = ShardRef(int(version), shard_no)
             server = layout.placement.get(ref, "?")
             shards.append(

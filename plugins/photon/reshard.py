@@ -117,11 +117,28 @@ def reshard(
 
 
 def _abort(servers: Mapping[str, str], report: ReshardReport, reason: str) -> ReshardReport:
+    """Remove the plan: its (empty, never routed to) shard tables and shard map go; the configuration row stays,
+    marked ``aborted``, so versions are never reused and the history shows what was tried."""
+    from psycopg2 import sql
+
+    from photon.registry_sql import shard_table
+    from photon.sharding import ShardRef
+
     for name in servers:
-        with autocommit(servers[name]) as conn, conn.cursor() as cur:
-            cur.execute(
-                "UPDATE photon.shard_config SET state = 'aborted' WHERE version = %s AND state = 'planned'",
-                (report.version,),
-            )
+        with autocommit(servers[name]) as conn:
+            conn.autocommit = False
+            with conn.cursor() as cur:
+                cur.execute(
+                    "UPDATE photon.shard_config SET state = 'aborted' WHERE version = %s AND state = 'planned'",
+                    (report.version,),
+                )
+                cur.execute(
+                    "DELETE FROM photon.shard_state WHERE config_version = %s RETURNING shard_no", (report.version,)
+                )
+                for (shard_no,) in cur.fetchall():
+                    ref = ShardRef(report.version, int(shard_no))
+                    cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(shard_table(ref)))
+                cur.execute("DELETE FROM photon.shard_map WHERE config_version = %s", (report.version,))
+            conn.commit()
     report.state, report.reason = "aborted", reason
     return report

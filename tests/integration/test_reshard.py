@@ -69,7 +69,9 @@ def test_a_live_joiner_that_does_not_acknowledge_aborts_the_plan(servers: dict[s
     state.commit(lease, 1, [], None, config_version=1)  # alive (just committed), on configuration 1
     report = reshard(servers, num_shards=8, lead_s=3, max_clock_skew_s=1)
     assert report.state == "aborted" and "dc-a" in report.reason and report.acknowledged == {"dc-a": 1}
-    assert [c["state"] for c in status(servers)["configs"]] == ["active", "aborted"]
+    st = status(servers)
+    assert [(c["version"], c["state"]) for c in st["configs"]] == [(1, "active"), (2, "aborted")]
+    assert st["configs"][1]["shards"] == []  # the plan's shard tables and map are gone
     res = IdRegistry(servers).register([make_id("10.0.0.1", 1, int(time.time() * US) + 10 * US)], lease.token(2))
     assert res.outcomes.tolist() == [Outcome.WON]  # still the old layout, nothing refused
 
