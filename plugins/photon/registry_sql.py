@@ -22,7 +22,7 @@ COPY_BATCH = "COPY photon_batch (i, ts_us, src) FROM STDIN WITH (FORMAT binary)"
 # threshold moved after its snapshot, fails with 40001 and is retried with the new value.
 LOCK_THRESHOLD = "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s FOR SHARE"
 # FOR SHARE: activating a new layout (an UPDATE of this row) waits for the register transactions in flight.
-LOCK_LAYOUT_VERSION = "SELECT value::integer FROM photon.registry_meta WHERE key = 'layout_version' FOR SHARE"
+LOCK_LAYOUT_VERSION = "SELECT version FROM photon.layout_enforced FOR SHARE"
 READ_THRESHOLD = "SELECT gc_threshold_us FROM photon.shard_state WHERE config_version = %s AND shard_no = %s"
 ENSURE_PARTITIONS = "SELECT photon.ensure_partitions(%s, %s, %s::bigint[])"
 ADVANCE_THRESHOLD = (

@@ -6,8 +6,9 @@
    The reshard waits until every live pipeline (a commit within ``grace_s``) reports ``v``.
 3. Activate, before ``valid_from - max_clock_skew`` (no id stamped at or after ``valid_from`` can have been
    registered yet): the configuration becomes ``active`` on the main server, then every server raises its enforced
-   ``layout_version`` to ``v``. From then on a register transaction routed with an older layout is refused
-   (``StaleLayoutError``); the client reloads and routes again, and a client held on the old layout cannot write.
+   layout version (``photon.layout_enforced``) to ``v``. From then on a register transaction routed with an older
+   layout is refused (``StaleLayoutError``); the client reloads and routes again, and a client held on the old
+   layout cannot write.
    An id is registered in the shard that the configuration in force at its own timestamp names.
 4. Or abort, when the acknowledgements do not arrive in time: the plan is marked ``aborted`` and never routes.
 """
@@ -108,10 +109,7 @@ def reshard(
                 "UPDATE photon.shard_config SET state = 'active' WHERE version = %s AND state = 'planned'",
                 (config.version,),
             )
-            cur.execute(
-                "UPDATE photon.registry_meta SET value = %s WHERE key = 'layout_version' AND value::integer < %s",
-                (str(config.version), config.version),
-            )
+            cur.execute("UPDATE photon.layout_enforced SET version = greatest(version, %s)", (config.version,))
     report.state = "active"
     return report
 
