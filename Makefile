@@ -15,7 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready: requirements.txt
+# The path already holds the requirements' hash, so a fresh clone (newer file times) must not rebuild it: the
+# requirements file is an order-only prerequisite.
+$(VENV)/.ready: | requirements.txt
 	@echo "== creating virtual environment $(VENV)"
 	rm -rf "$(VENV)"
 	mkdir -p "$(VENV_ROOT)"
