@@ -62,13 +62,13 @@ class EventStoreCache:
         when the batch is committed and moved into the store."""
         stats = LookupStats(lookups=len(query_ids))
         valid, ts = valid_ids(query_ids)
-        buckets = np.unique(bucket_of(ts[valid], bucket_s)).tolist()
+        of = bucket_of(ts, bucket_s)
         tables = []
-        for b in buckets:
+        for b in np.unique(of[valid]).tolist():
             resident = b in self.buckets
             table = self._bucket(int(b), staged, stats)
             if resident:
-                stats.hits += int(np.count_nonzero(valid & (bucket_of(ts, bucket_s) == b)))
+                stats.hits += int(np.count_nonzero(valid & (of == b)))
             if table is not None:
                 tables.append(table)
         if not tables:

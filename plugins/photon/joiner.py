@@ -41,7 +41,6 @@ import pyarrow.compute as pc
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.parse import parse_file
 from photon.pipeline_state import Lease, PipelineState
-from photon.reshard import newest_config_version
 from photon.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -575,9 +574,9 @@ class Joiner:
         # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
         _maybe_crash("before_commit", k)
-        # The newest shard configuration known, planned ones included: a reshard waits for this acknowledgement.
+        # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
-        self.state.commit(lease, k, files, metrics, config_version=newest_config_version(self.servers["main"]))
+        self.state.commit(lease, k, files, metrics)
         _maybe_crash("after_commit", k)
         self._publish(k, lease.epoch)
         self.consumed.update(files)

@@ -92,17 +92,19 @@ class PipelineState:
         batch_seq: int,
         files: Iterable[tuple[str, str]],
         metrics: Mapping[str, Any] | None = None,
-        config_version: int = 0,
+        config_version: int | None = None,
     ) -> bool:
-        """Commit batch ``batch_seq`` and acknowledge shard configuration ``config_version``. True if this call
-        committed it, False if it was already committed by this epoch. Raises FencedError if the epoch was superseded
+        """Commit batch ``batch_seq`` and acknowledge shard configuration ``config_version`` (by default the newest
+        one planned or active, read in the same transaction). True if this call committed it, False if it was already
+        committed by this epoch. Raises FencedError if the epoch was superseded
         or the batch is out of order."""
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
             with conn.cursor() as cur:
                 cur.execute(
                     "UPDATE photon.pipelines SET last_batch = %s, heartbeat_at = now(), updated_at = now(),"
-                    " config_version = greatest(config_version, %s)"
+                    " config_version = greatest(config_version, coalesce(%s, (SELECT max(version)"
+                    "  FROM photon.shard_config WHERE state IN ('planned', 'active'))))"
                     " WHERE pipeline = %s AND epoch = %s AND last_batch = %s",
                     (batch_seq, config_version, self.pipeline, lease.epoch, batch_seq - 1),
                 )

@@ -41,13 +41,6 @@ class ReshardReport:
         return asdict(self)
 
 
-def newest_config_version(main: str) -> int:
-    """The newest configuration a joiner must know about: active or planned."""
-    with autocommit(main) as conn, conn.cursor() as cur:
-        cur.execute("SELECT coalesce(max(version), 0) FROM photon.shard_config WHERE state IN ('planned', 'active')")
-        return int(cur.fetchone()[0])
-
-
 def _live_acks(main: str, grace_s: float) -> dict[str, int]:
     with autocommit(main) as conn, conn.cursor() as cur:
         cur.execute(
