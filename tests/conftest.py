@@ -75,3 +75,34 @@ def airflow_db() -> Iterator[str]:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     yield _AIRFLOW_HOME
     shutil.rmtree(_AIRFLOW_HOME, ignore_errors=True)
+
+
+@pytest.fixture
+def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
+    """Factory of least-privilege logins: ``login_as(dsn, "photon_verifier")`` creates a LOGIN role that holds only
+    that NOLOGIN role and returns ``dsn`` connecting as it. Components run under these in tests, never as a
+    superuser. The roles are dropped at teardown."""
+    import psycopg2.extensions
+    from psycopg2 import sql
+
+    from photon.pg import autocommit
+
+    made: list[str] = []
+
+    def make(dsn: str, role: str) -> str:
+        name = f"photon_t_{uuid.uuid4().hex[:10]}_{role.removeprefix('photon_')}"
+        password = uuid.uuid4().hex
+        with autocommit(pg_admin_dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s IN ROLE {}").format(
+                    sql.Identifier(name), sql.Identifier(role)
+                ),
+                (password,),
+            )
+        made.append(name)
+        return psycopg2.extensions.make_dsn(dsn, user=name, password=password)
+
+    yield make
+    with autocommit(pg_admin_dsn) as conn, conn.cursor() as cur:
+        for name in made:
+            cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
