@@ -22,6 +22,7 @@ token, come back WON_AGAIN and are written then. A zombie lease can register but
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,6 +84,8 @@ class JoinSettings:
     window_start_us: int | None = None
     window_end_us: int | None = None
     window_margin_s: float = 120.0
+    # A live joiner heartbeats this often, idle or not; the verifier's grace period must be several times longer.
+    heartbeat_s: float = 5.0
 
 
 @dataclass
@@ -110,8 +113,12 @@ CANDIDATE = pa.schema(
         ("attempts", pa.int32()),
         ("first_seen_us", pa.int64()),
         ("due_us", pa.int64()),
+        # When a click re-dispatched by the verifier (a ``recovered-*`` file) was first seen here; null otherwise.
+        # Its join deadline runs from then: it may be long past its own, and this replica's query may still lag.
+        ("recovered_us", pa.int64()),
     ]
 )
+RECOVERED_PREFIX = "recovered-"
 JOIN_TASK = pa.schema(
     [
         *[(name, pa.int64()) for name in JOIN_COUNTS],
@@ -206,6 +213,10 @@ def _source_task(
                         "attempts": pa.array(np.zeros(n, np.int32)),
                         "first_seen_us": pa.array(np.full(n, t.now, np.int64)),
                         "due_us": pa.array(np.full(n, t.now, np.int64)),
+                        "recovered_us": pa.array(
+                            np.full(n, t.now, np.int64) if path.name.startswith(RECOVERED_PREFIX) else [None] * n,
+                            pa.int64(),
+                        ),
                     },
                     CANDIDATE,
                 ).to_batches()
@@ -338,7 +349,10 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
                 latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
             counts["joined"] = n
         # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay.
-        late = t.now - miss.column("click_ts_us").to_numpy() > t.max_join_delay_us
+        since = np.maximum(
+            miss.column("click_ts_us").to_numpy(), pc.fill_null(miss.column("recovered_us"), 0).to_numpy()
+        )
+        late = t.now - since > t.max_join_delay_us
         give_up(miss.filter(pa.array(late)), REASON_TOO_LATE)
         again = miss.filter(pa.array(~late))
         attempts = again.column("attempts").to_numpy()
@@ -429,7 +443,7 @@ class Joiner:
 
     @staticmethod
     def _tag(batch: int, epoch: int) -> str:
-        return f"b{batch:010d}-e{epoch}"
+        return batch_tag(batch, epoch)
 
     # the loop --------------------------------------------------------------------------------------------
     def run(
@@ -445,6 +459,18 @@ class Joiner:
         were due have had one batch since the last new file. With ``drain``, until no retry is left at all."""
         if self.lease is None:
             self.start()
+        assert self.lease is not None
+        with self.state.heartbeating(self.lease, self.s.heartbeat_s):
+            return self._loop(run_for_s, until_caught_up, drain, max_batches, on_batch)
+
+    def _loop(
+        self,
+        run_for_s: float | None,
+        until_caught_up: bool,
+        drain: bool,
+        max_batches: int | None,
+        on_batch: Callable[[BatchResult], None] | None,
+    ) -> list[BatchResult]:
         deadline = time.monotonic() + run_for_s if run_for_s is not None else None
         k = self.last_batch
         results = []
@@ -475,12 +501,23 @@ class Joiner:
         return results
 
     def _new_files(self) -> tuple[list[str], list[str]]:
+        """New closed files, oldest arrival first, and the verifier's re-dispatched clicks before any other: under a
+        backlog bigger than ``max_click_files`` no file waits behind later ones, whatever its name."""
+
         def listing(kind: str) -> list[str]:
             folder = self.logs / self.dc / kind
             if not folder.is_dir():
                 return []
-            names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and (kind, n) not in self.consumed)
-            return [n for n in names if self._in_window(kind, folder / n)]
+            new = []
+            for n in os.listdir(folder):
+                if not n.endswith(".jsonl") or (kind, n) in self.consumed:
+                    continue
+                try:
+                    arrived = os.stat(folder / n).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                new.append((not n.startswith(RECOVERED_PREFIX), arrived, n))
+            return [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
 
         return listing("queries"), listing("clicks")[: self.s.max_click_files]
 
@@ -587,21 +624,32 @@ class Joiner:
         return BatchResult(k, metrics)
 
     def _publish(self, k: int, epoch: int) -> None:
-        """Move a committed batch's staged files into place under their staged names, which start with the batch's
-        tag (idempotent: safe to repeat after a crash)."""
-        stage = self.staging / self._tag(k, epoch)
-        moves = [(stage / "eventstore", self.state_dir / "eventstore")]
-        moves += [(stage / kind, self.root / kind) for kind in (JOINED, UNJOINABLE, QUARANTINE)]
-        for src, dst in moves:
-            dst.mkdir(parents=True, exist_ok=True)
-            if not src.is_dir():
-                continue
-            for part in sorted(src.rglob("*.parquet")):
-                target = dst / part.relative_to(src)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(part, target)
-        shutil.rmtree(stage, ignore_errors=True)
+        publish_files(self.root, batch_tag(k, epoch))
         self.state.mark_published(k)
+
+
+def batch_tag(batch: int, epoch: int) -> str:
+    """The name a batch's staged files start with: its number and the epoch of the lease that ran it."""
+    return f"b{batch:010d}-e{epoch}"
+
+
+def publish_files(root: Path, tag: str) -> None:
+    """Move a committed batch's staged files (``<root>/_staging/<tag>``) into place under their staged names.
+    Idempotent, and safe beside another process publishing the same batch (a lease start, the verifier rolling a
+    dead pipeline's batch forward): each file is renamed whole, once; whoever comes second finds it gone."""
+    stage = root / "_staging" / tag
+    moves = [(stage / "eventstore", root / "_state" / "eventstore")]
+    moves += [(stage / kind, root / kind) for kind in (JOINED, UNJOINABLE, QUARANTINE)]
+    for src, dst in moves:
+        dst.mkdir(parents=True, exist_ok=True)
+        if not src.is_dir():
+            continue
+        for part in sorted(src.rglob("*.parquet")):
+            target = dst / part.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(part, target)
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:

@@ -9,9 +9,12 @@ order is refused.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,8 @@ from psycopg2.extras import execute_values
 
 from photon.owners import Token
 from photon.pg import autocommit, connect
+
+log = logging.getLogger(__name__)
 
 
 class FencedError(RuntimeError):
@@ -118,8 +123,8 @@ class PipelineState:
                         return False
                     raise FencedError(f"{self.pipeline}: batch {batch_seq} out of order (last committed {last})")
                 cur.execute(
-                    "INSERT INTO photon.batches (pipeline, batch_seq, epoch) VALUES (%s, %s, %s)",
-                    (self.pipeline, batch_seq, lease.epoch),
+                    "INSERT INTO photon.batches (pipeline, batch_seq, epoch, owner_id) VALUES (%s, %s, %s, %s)",
+                    (self.pipeline, batch_seq, lease.epoch, lease.owner_id),
                 )
                 execute_values(
                     cur,
@@ -153,6 +158,30 @@ class PipelineState:
                 "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s",
                 (self.pipeline, batch_seq),
             )
+
+    @contextlib.contextmanager
+    def heartbeating(self, lease: Lease, every_s: float) -> Iterator[None]:
+        """Heartbeat every ``every_s`` seconds while the block runs, idle or in a long batch: the verifier fences a
+        pipeline only after a grace period without one, so a live joiner is never taken for a gone one. The thread
+        stops at the block's end or once the lease is superseded; a registry that cannot be reached is retried."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.heartbeat(lease)
+                except FencedError:
+                    return
+                except Exception as exc:  # the registry is down: the next beat tries again
+                    log.warning("%s: heartbeat failed: %s", self.pipeline, exc)
+
+        thread = threading.Thread(target=beat, name=f"photon-heartbeat-{self.pipeline}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=10)
 
     def heartbeat(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:

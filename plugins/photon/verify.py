@@ -1,21 +1,39 @@
 """Verification and recovery (Photon's verifier): find clicks registered in the IdRegistry whose output never
-landed, give them back to their pipeline, and clear the tokens of clicks whose output is committed.
+landed and hand them to whichever pipeline is alive, roll forward batches that committed but never published, and
+clear the tokens of clicks whose output is committed.
 
-Every registry row carries the token ``owner << 32 | batch`` of the batch that registered it, and the owner names
-its pipeline (Percolator's primary: the fate of a stranded row is read from its owner's record). Per row:
+Every registry row carries the token ``owner << 32 | batch`` of the batch that registered it; the owner record names
+its pipeline (Percolator's primary: the fate of a stranded row is read from its owner's record). A pipeline has one
+current owner. The verifier fences a pipeline that has shown no sign of life for the grace period: in one
+transaction it bumps the epoch (a zombie's commit is refused from then on), gives the pipeline a new owner (a later
+lease registers under new tokens) and retires the old owner at its last committed batch.
 
-- batch committed and published, click in the pipeline's ``joined/``: the output is final; the token is cleared
-  (only if it still matches), so the registry keeps tokens only where recovery may need them;
-- batch committed and published, click not in ``joined/``: lost (a batch re-run after a crash that took other
-  files, say). Nothing can write it any more under that token, so its row is deleted (only if the token still
-  matches) and the click is re-dispatched;
-- batch not committed yet: in flight, left alone, unless the pipeline has shown no sign of life (commit or
-  heartbeat) for ``grace_s``. Then the verifier first fences the pipeline (bumps its epoch, as a new lease would:
-  a zombie's commit is refused from then on) and recovers the batch's rows as lost ones.
+The invariant that makes every delete safe: a row is deleted only if its token can never be published, because
+either (a) its batch is published and the click is not among the rows of that batch's own output files, whose
+count matches the count the batch committed; or (b) its owner is retired and never committed that batch. Both facts
+are final once true (a published batch's files never change; a retired owner never commits), and the verifier
+establishes them before it reads the evidence they rest on. A delete names the token it judged, so a row that
+changed in between is left alone. Missing evidence stops the verifier; it never deletes on a guess.
 
-Re-dispatch writes the clicks' original lines, found in ``<logs>/<dc>/clicks``, to a new closed log file
-``recovered-<time>-<pipeline>.jsonl`` there, which the pipeline's dispatcher picks up like any other file; the
-registry decides again who joins each click.
+A pass (:func:`verify_and_recover`), in order:
+
+1. Take the verifier lock: one verifier at a time.
+2. Read pipelines and owners, idle times by the registry server's clock, and every registry row holding a token.
+3. Check the evidence: the output folder of every pipeline whose rows are judged must be there.
+4. Fence each pipeline idle past the grace period whose current owner holds rows beyond its last committed batch,
+   conditionally on the epoch and last batch read in 2. A pipeline that moved in between is not fenced and its rows
+   stay in flight.
+5. Roll forward: publish batches committed more than the grace period ago and never published (a joiner that died
+   between commit and publish), exactly as the joiner would; checked against the batch's committed row count.
+6. Read the committed batches again (which owner committed each, whether published): after 4 and 5.
+7. Judge every row: committed and published, click in the batch's files -> committed; not in them -> lost;
+   owner retired and batch not committed by it -> lost; otherwise in flight.
+8. Recover the lost rows: their clicks' original lines (found in any data center's click logs) are written as an
+   intent, ``recovered-<time>-<pipeline>.jsonl.inprogress``, into every data center's click folder and synced;
+   then the rows are deleted where their token still matches; then the intents are renamed to closed log files,
+   which every pipeline's dispatcher takes first. Intents a crashed pass left behind are published too. (A click
+   made readable before its row is gone would be dropped by the pre-filter: hence the order.)
+9. Clear the tokens of committed output (where the token still matches).
 """
 
 from __future__ import annotations
@@ -23,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,10 +50,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from psycopg2 import sql
 
-from photon.audit import data_center_of, pipelines_in
+from photon.audit import data_center_of
 from photon.ids import EventKeys, format_id
+from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
 from photon.parse import parse_file
 from photon.pg import autocommit, connect
 from photon.registry import MAIN, read_layout
@@ -43,6 +63,21 @@ from photon.registry_sql import shard_table
 from photon.schemas import JOINED, JOINED_SCHEMA
 
 US = 1_000_000
+# One advisory lock id for "a verifier pass is running" on the main server.
+_LOCK_ID = 0x50484F544F56  # "PHOTOV"
+
+
+class VerifyError(RuntimeError):
+    """The verifier stopped before changing anything it could not justify."""
+
+
+class VerifierBusyError(VerifyError):
+    """Another verifier pass holds the lock."""
+
+
+class EvidenceMissingError(VerifyError):
+    """Output the registry says exists is not where the verifier looks (a wrong ``--out``, an unmounted volume, a
+    deleted file). Deleting on such a view would duplicate clicks, so the verifier stops instead."""
 
 
 @dataclass
@@ -50,11 +85,13 @@ class VerifyReport:
     dry_run: bool
     checked: int = 0  # registry rows holding a token
     committed: int = 0  # of those, output committed: token cleared (or, in a dry run, would be)
-    in_flight: int = 0  # batch not committed yet, pipeline alive: left alone
-    lost: int = 0  # registered, batch over, not in the output
+    in_flight: int = 0  # batch not decided yet (pipeline alive, or not a pipeline's owner): left alone
+    lost: int = 0  # registered, batch published without them or owner retired without committing them
     recovered: int = 0  # lost rows deleted and their clicks re-dispatched
     not_in_logs: int = 0  # lost clicks whose line was not found in the logs (their rows are kept)
     fenced: list[str] = field(default_factory=list)  # pipelines fenced because they were gone
+    not_fenced: list[str] = field(default_factory=list)  # looked gone but moved before the fence: left alone
+    rolled_forward: list[str] = field(default_factory=list)  # "<pipeline>/<batch>" published by the verifier
     redispatched_files: list[str] = field(default_factory=list)
     per_pipeline: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -67,24 +104,47 @@ class _Pipeline:
     name: str
     epoch: int
     last_batch: int
+    owner_id: int
     idle_s: float
-    published: set[int]
 
 
-def _pipelines(main: str) -> tuple[dict[int, str], dict[str, _Pipeline]]:
-    with autocommit(main) as conn, conn.cursor() as cur:
-        cur.execute("SELECT owner_id, pipeline FROM photon.owners")
-        owners = {int(o): str(p) for o, p in cur.fetchall()}
-        cur.execute(
-            "SELECT pipeline, epoch, last_batch, extract(epoch FROM now() - coalesce(heartbeat_at, updated_at))"
-            " FROM photon.pipelines"
-        )
-        pipes = {str(p): _Pipeline(str(p), int(e), int(b), float(i or 0), set()) for p, e, b, i in cur.fetchall()}
-        cur.execute("SELECT pipeline, batch_seq FROM photon.batches WHERE published")
-        for p, b in cur.fetchall():
-            if p in pipes:
-                pipes[p].published.add(int(b))
-    return owners, pipes
+@dataclass(frozen=True)
+class _Batch:
+    owner_id: int
+    epoch: int
+    published: bool
+    joined: int | None  # rows the batch wrote to joined/, from its committed metrics
+
+
+@dataclass
+class _State:
+    owners: dict[int, str]  # owner -> pipeline
+    retired: set[int]
+    pipes: dict[str, _Pipeline]
+    batches: dict[tuple[str, int], _Batch]
+
+
+def _read_state(cur: Any) -> _State:
+    cur.execute("SELECT owner_id, pipeline, retired_at IS NOT NULL FROM photon.owners")
+    owners, retired = {}, set()
+    for o, p, r in cur.fetchall():
+        owners[int(o)] = str(p)
+        if r:
+            retired.add(int(o))
+    cur.execute(
+        "SELECT pipeline, epoch, last_batch, owner_id,"
+        " extract(epoch FROM now() - coalesce(heartbeat_at, updated_at)) FROM photon.pipelines"
+    )
+    pipes = {str(p): _Pipeline(str(p), int(e), int(b), int(o), float(i or 0)) for p, e, b, o, i in cur.fetchall()}
+    cur.execute(
+        "SELECT b.pipeline, b.batch_seq, b.owner_id, b.epoch, b.published, m.joined FROM photon.batches b"
+        " LEFT JOIN photon.batch_metrics m ON m.pipeline = b.pipeline AND m.batch_seq = b.batch_seq"
+    )
+    batches = {
+        (str(p), int(s)): _Batch(int(o), int(e), bool(pub), None if j is None else int(j))
+        for p, s, o, e, pub, j in cur.fetchall()
+    }
+    return _State(owners, retired, pipes, batches)
 
 
 def _tokened_rows(servers: Mapping[str, str]) -> pa.Table:
@@ -109,80 +169,245 @@ def _tokened_rows(servers: Mapping[str, str]) -> pa.Table:
                 }
             )
         )
-    return pa.concat_tables(parts)
+    rows = pa.concat_tables(parts)
+    tokens = rows["token"].to_numpy()
+    return rows.append_column("owner", pa.array(tokens >> 32)).append_column("batch", pa.array(tokens & 0xFFFFFFFF))
 
 
-def _output_keys(out: Path, pipeline: str) -> pa.Table:
-    folder = out / pipeline / JOINED
-    if not folder.is_dir():
+def _pipeline_folder(out: Path, pipeline: str) -> Path:
+    folder = out / pipeline
+    if not (folder / "_pipeline.json").is_file():
+        raise EvidenceMissingError(
+            f"pipeline {pipeline!r} has registry rows to judge, but {folder} is not its output folder (no "
+            "_pipeline.json there): check --out (every pipeline's folder must be under it, mounted); nothing was "
+            "changed"
+        )
+    return folder
+
+
+def _batch_keys(folder: Path, pipeline: str, batch: int, b: _Batch) -> pa.Table:
+    """(ts_us, src) of the clicks batch ``batch`` wrote to joined/, read from its own files (named by its tag), after
+    checking that they hold the rows the batch committed."""
+    tag = batch_tag(batch, b.epoch)
+    files = sorted((folder / JOINED).glob(f"{tag}-*.parquet")) if (folder / JOINED).is_dir() else []
+    found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if b.joined is None or found != b.joined:
+        raise EvidenceMissingError(
+            f"batch {batch} of pipeline {pipeline!r} committed {b.joined} joined rows, but {folder / JOINED} holds "
+            f"{found} in files {tag}-*.parquet: its output is missing or altered; nothing was changed"
+        )
+    if not files:
         return pa.table({"ts_us": pa.array([], pa.int64()), "src": pa.array([], pa.int64())})
-    ids = ds.dataset(folder, format="parquet", schema=JOINED_SCHEMA).to_table(columns=["click_id"])["click_id"]
+    ids = ds.dataset(files, format="parquet", schema=JOINED_SCHEMA).to_table(columns=["click_id"])["click_id"]
     keys = EventKeys.from_ids(ids)
     return pa.table({"ts_us": keys.ts_us, "src": keys.src})
 
 
 def verify_and_recover(
-    servers: Mapping[str, str], out: Path, logs: Path, *, grace_s: float = 600.0, dry_run: bool = False
+    servers: Mapping[str, str],
+    out: Path,
+    logs: Path,
+    *,
+    grace_s: float = 600.0,
+    dry_run: bool = False,
+    on_step: Callable[[str], None] | None = None,
 ) -> VerifyReport:
+    """One verification pass (the numbered steps of the module's doc). ``on_step(name)`` is called between steps,
+    for tests that interleave other processes with a pass."""
+    step = on_step or (lambda _name: None)
+    if not out.is_dir():
+        raise EvidenceMissingError(f"output folder {out} does not exist: check --out; nothing was changed")
     report = VerifyReport(dry_run=dry_run)
-    owners, pipes = _pipelines(servers[MAIN])
-    rows = _tokened_rows(servers)
-    report.checked = rows.num_rows
-    if rows.num_rows == 0:
-        return report
-    tokens = rows["token"].to_numpy()
-    owner = tokens >> 32
-    batch = tokens & 0xFFFFFFFF
-    names = np.array([owners.get(int(o), "") for o in owner], dtype=object)
-    rows = rows.append_column("pipeline", pa.array(names.tolist(), pa.string())).append_column("batch", pa.array(batch))
-    known = set(pipelines_in(out)) if out.is_dir() else set()
-    for name in sorted(set(names.tolist())):
-        pipe = pipes.get(name)
-        mine = rows.filter(pc.equal(rows["pipeline"], name))
-        stats = report.per_pipeline.setdefault(name, {"checked": mine.num_rows, "committed": 0, "lost": 0})
-        if pipe is None or (name not in known and not pipe.published):
-            report.in_flight += mine.num_rows  # an owner without a pipeline (a test's, a tool's): not ours to judge
-            continue
-        b = mine["batch"].to_numpy()
-        done = np.isin(b, np.fromiter(pipe.published, np.int64, len(pipe.published)))
-        gone = pipe.idle_s > grace_s
-        over = done | ((b > pipe.last_batch) & gone)
-        report.in_flight += int(np.count_nonzero(~over))
-        judged = mine.filter(pa.array(over))
-        output = _output_keys(out, name)
-        present = judged.join(output, ["ts_us", "src"], join_type="left semi")
-        missing = judged.join(output, ["ts_us", "src"], join_type="left anti")
-        committed_rows = present.filter(pc.is_in(present["batch"], pa.array(sorted(pipe.published), pa.int64())))
-        report.committed += committed_rows.num_rows
-        report.lost += missing.num_rows
-        stats["committed"], stats["lost"] = committed_rows.num_rows, missing.num_rows
+    # 1. The lock, held on this connection for the whole pass.
+    with autocommit(servers[MAIN], application_name="photon-verify") as lock, lock.cursor() as lcur:
+        lcur.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
+        if not lcur.fetchone()[0]:
+            raise VerifierBusyError("another verifier pass is running (advisory lock held); nothing was changed")
+        # 2. State and registry rows.
+        state = _read_state(lcur)
+        rows = _tokened_rows(servers)
+        report.checked = rows.num_rows
+        step("read")
+        names = [state.owners.get(o, "") for o in rows["owner"].to_pylist()]
+        rows = rows.append_column("pipeline", pa.array(names, pa.string()))
+        judged_names = sorted({n for n in names if n in state.pipes})
+        # 3. Evidence: every judged pipeline's folder.
+        folders = {name: _pipeline_folder(out, name) for name in judged_names}
+        # 4. Fence the gone pipelines that hold rows in flight.
+        for name in judged_names:
+            pipe = state.pipes[name]
+            mine = rows.filter(pc.equal(rows["owner"], pipe.owner_id))
+            uncommitted = [
+                b
+                for b in set(mine["batch"].to_pylist())
+                if state.batches.get((name, b), _NONE).owner_id != pipe.owner_id
+            ]
+            if not uncommitted or pipe.idle_s <= grace_s:
+                continue
+            if dry_run:
+                report.fenced.append(name)
+                continue
+            lcur.execute(
+                "SELECT new_epoch FROM photon.fence_pipeline(%s, %s, %s, %s)",
+                (name, pipe.epoch, pipe.last_batch, grace_s),
+            )
+            (report.fenced if lcur.fetchone() is not None else report.not_fenced).append(name)
+        step("fenced")
+        # 5. Roll forward committed, unpublished batches older than the grace period.
+        lcur.execute(
+            "SELECT pipeline, batch_seq, epoch FROM photon.batches WHERE NOT published"
+            " AND committed_at < now() - make_interval(secs => %s) ORDER BY 1, 2",
+            (grace_s,),
+        )
+        for name, seq, epoch in lcur.fetchall():
+            folder = _pipeline_folder(out, str(name))
+            if not dry_run:
+                publish_files(folder, batch_tag(int(seq), int(epoch)))
+            report.rolled_forward.append(f"{name}/{seq}")
+        # 6. Committed batches again, after the fences and the roll-forward.
+        state = _read_state(lcur)
+        for item in [] if dry_run else report.rolled_forward:
+            name, seq = item.rsplit("/", 1)
+            rolled = state.batches[(name, int(seq))]
+            _batch_keys(folders.get(name) or _pipeline_folder(out, name), name, int(seq), rolled)  # checked, or stop
+            lcur.execute(
+                "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, int(seq))
+            )
+            state.batches[(name, int(seq))] = _Batch(rolled.owner_id, rolled.epoch, True, rolled.joined)
+        step("rolled_forward")
+        # 7. Judge.
+        committed_parts, lost_parts = [], []
+        for name in judged_names:
+            mine = rows.filter(pc.equal(rows["pipeline"], name))
+            done, gone = [], []
+            for (owner, batch), group in _groups(mine):
+                b = state.batches.get((name, batch))
+                if b is not None and b.owner_id == owner:
+                    if not b.published:
+                        continue  # committed, being published by its lease (or rolled forward after the grace)
+                    keys = _batch_keys(folders[name], name, batch, b)
+                    done.append(group.join(keys, ["ts_us", "src"], join_type="left semi"))
+                    gone.append(group.join(keys, ["ts_us", "src"], join_type="left anti"))
+                elif owner in state.retired:
+                    gone.append(group)  # a retired owner never committed this batch: it never will
+            n_done, n_gone = sum(t.num_rows for t in done), sum(t.num_rows for t in gone)
+            report.per_pipeline[name] = {"checked": mine.num_rows, "committed": n_done, "lost": n_gone}
+            committed_parts += done
+            lost_parts += gone
+        committed = _concat(committed_parts, rows.schema)
+        lost = _concat(lost_parts, rows.schema)
+        report.committed, report.lost = committed.num_rows, lost.num_rows
+        report.in_flight = report.checked - report.committed - report.lost
         if dry_run:
-            continue
-        if missing.num_rows and bool((missing["batch"].to_numpy() > pipe.last_batch).any()):
-            _fence(servers[MAIN], pipe)
-            report.fenced.append(name)
-        _clear_tokens(servers, committed_rows)
-        if missing.num_rows:
-            found = _redispatch(missing, logs, data_center_of(out, name), name)
-            if found is not None:
-                path, recovered = found
-                report.redispatched_files.append(str(path))
-                _delete(servers, missing.filter(pa.array(recovered)))
-                report.recovered += int(np.count_nonzero(recovered))
-                report.not_in_logs += int(np.count_nonzero(~recovered))
-            else:
-                report.not_in_logs += missing.num_rows
+            return report
+        # 8. Recover: intents in every data center, deletes, then publication of every intent.
+        dcs = _data_centers(logs)
+        if lost.num_rows:
+            lines = _find_lines(lost, logs, [data_center_of(out, n) for n in judged_names] + dcs)
+            found = np.array([format_id(t, s) in lines for t, s in zip(*_ts_src(lost), strict=True)], dtype=bool)
+            report.not_in_logs = int(np.count_nonzero(~found))
+            if found.any():
+                name = f"{RECOVERED_PREFIX}{int(time.time() * US)}.jsonl"
+                written = _write_intents(logs, dcs, name, b"".join(lines[k] for k in sorted(lines)))
+                if not written:
+                    raise VerifyError(f"could not write recovered clicks into any data center's logs under {logs}")
+                _delete(servers, lost.filter(pa.array(found)))
+                report.recovered = int(np.count_nonzero(found))
+                report.redispatched_files += [str(p.with_suffix("")) for p in written]
+        _publish_intents(logs, dcs)
+        step("recovered")
+        # 9. Clear tokens of committed output.
+        _clear_tokens(servers, committed)
+        lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
     return report
 
 
-def _fence(main: str, pipe: _Pipeline) -> None:
-    """Bump the pipeline's epoch (if nobody else did): a zombie lease can no longer commit."""
-    with autocommit(main) as conn, conn.cursor() as cur:
-        cur.execute(
-            "UPDATE photon.pipelines SET epoch = epoch + 1, lease_owner = 'verifier', updated_at = now()"
-            " WHERE pipeline = %s AND epoch = %s",
-            (pipe.name, pipe.epoch),
-        )
+_NONE = _Batch(0, 0, False, None)
+
+
+def _groups(t: pa.Table) -> list[tuple[tuple[int, int], pa.Table]]:
+    pairs = sorted(set(zip(t["owner"].to_pylist(), t["batch"].to_pylist(), strict=True)))
+    return [((o, b), t.filter(pc.and_(pc.equal(t["owner"], o), pc.equal(t["batch"], b)))) for o, b in pairs]
+
+
+def _concat(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    parts = [p.select(schema.names) for p in parts if p.num_rows]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def _ts_src(t: pa.Table) -> tuple[list[int], list[int]]:
+    return t["ts_us"].to_pylist(), t["src"].to_pylist()
+
+
+def _data_centers(logs: Path) -> list[str]:
+    if not logs.is_dir():
+        return []
+    return sorted(p.name for p in logs.iterdir() if (p / "clicks").is_dir() and not p.name.startswith(("_", ".")))
+
+
+def _find_lines(lost: pa.Table, logs: Path, dcs: list[str]) -> dict[str, bytes]:
+    """The lost clicks' lines, searched in the given data centers' click logs in order. An id names the server
+    process that logged it, and so does a log file's name (``<ipv4>-<pid>-<seq>.jsonl``, ``EVENTS.md``): only that
+    process's files, and earlier recoveries, are read."""
+    wanted = {format_id(t, s) for t, s in zip(*_ts_src(lost), strict=True)}
+    prefixes = (*{w.rsplit("-", 1)[0] + "-" for w in wanted}, RECOVERED_PREFIX)
+    lines: dict[str, bytes] = {}
+    for dc in dict.fromkeys(dcs):
+        folder = logs / dc / "clicks"
+        if not folder.is_dir():
+            continue
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".jsonl") or not name.startswith(prefixes):
+                continue
+            try:
+                content = (folder / name).read_bytes()
+            except FileNotFoundError:
+                continue
+            good, _ = parse_file(name, content, "clicks")
+            hit = good.filter(pc.is_in(good["click_id"], pa.array(sorted(wanted - lines.keys()), pa.string())))
+            for row in hit.to_pylist():
+                lines.setdefault(row["click_id"], json.dumps(row, separators=(",", ":")).encode() + b"\n")
+            if len(lines) == len(wanted):
+                return lines
+    return lines
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_intents(logs: Path, dcs: list[str], name: str, content: bytes) -> list[Path]:
+    """Write ``<name>.inprogress`` into each data center's click folder, synced with its folder; readers skip it
+    until it is renamed. Returns the intents written (a data center whose folder cannot be written is skipped)."""
+    written = []
+    for dc in dcs:
+        folder = logs / dc / "clicks"
+        path = folder / f"{name}.inprogress"
+        try:
+            with open(path, "wb") as fh:
+                fh.write(content)
+                fh.flush()
+                os.fsync(fh.fileno())
+            _fsync_dir(folder)
+        except OSError:
+            continue
+        written.append(path)
+    return written
+
+
+def _publish_intents(logs: Path, dcs: list[str]) -> None:
+    """Rename every recovery intent to its closed name, this pass's and any a crashed pass left."""
+    for dc in dcs:
+        folder = logs / dc / "clicks"
+        intents = [n for n in os.listdir(folder) if n.startswith(RECOVERED_PREFIX) and n.endswith(".jsonl.inprogress")]
+        for n in intents:
+            os.replace(folder / n, folder / n.removesuffix(".inprogress"))
+        if intents:
+            _fsync_dir(folder)
 
 
 def _by_shard(t: pa.Table) -> dict[tuple[str, int, int], pa.Table]:
@@ -233,33 +458,3 @@ def _delete(servers: Mapping[str, str], t: pa.Table) -> None:
         "DELETE FROM {t} AS x USING (VALUES %s) AS v(ts_us, src, token)"
         " WHERE x.ts_us = v.ts_us AND x.src = v.src AND x.token = v.token",
     )
-
-
-def _redispatch(missing: pa.Table, logs: Path, dc: str, pipeline: str) -> tuple[Path, np.ndarray] | None:
-    """Find the lost clicks' lines in the data center's click logs and write them to a new closed log file.
-    Returns the file and, per missing row, whether its line was found; None if none was."""
-    wanted = {format_id(t, s) for t, s in zip(missing["ts_us"].to_pylist(), missing["src"].to_pylist(), strict=True)}
-    folder = logs / dc / "clicks"
-    lines: dict[str, bytes] = {}
-    for name in sorted(os.listdir(folder)) if folder.is_dir() else []:
-        if not name.endswith(".jsonl"):
-            continue
-        good, _ = parse_file(name, (folder / name).read_bytes(), "clicks")
-        hit = good.filter(pc.is_in(good["click_id"], pa.array(sorted(wanted), pa.string())))
-        for row in hit.to_pylist():
-            lines.setdefault(row["click_id"], json.dumps(row, separators=(",", ":")).encode() + b"\n")
-        if len(lines) == len(wanted):
-            break
-    if not lines:
-        return None
-    path = folder / f"recovered-{int(time.time() * US)}-{pipeline}.jsonl"
-    tmp = path.with_name(path.name + ".inprogress")
-    tmp.write_bytes(b"".join(lines[k] for k in sorted(lines)))
-    os.replace(tmp, path)
-    found = np.array(
-        [
-            format_id(t, s) in lines
-            for t, s in zip(missing["ts_us"].to_pylist(), missing["src"].to_pylist(), strict=True)
-        ]
-    )
-    return path, found

@@ -48,11 +48,13 @@ def test_killed_joiner_losses_are_found_and_recovered(tmp_path: Path, make_db: C
             cmd, env={**env, "PHOTON_CRASH_AT": f"after_register@{batch}"}, capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == -9, proc.stdout + proc.stderr
-        # New files that sort first arrive before the restart: the re-run of the killed batch takes them instead,
-        # and the clicks the killed attempt registered come in a later batch, under another token.
+        # Files that the joiner takes first (they arrived earliest) appear before the restart: the re-run of the
+        # killed batch takes them instead, and the clicks the killed attempt registered come in a later batch, under
+        # another token.
         late = sorted(p for p in clicks.glob("*.jsonl") if not p.name.startswith("0."))[-4:]
         for j, p in enumerate(late):
             p.rename(clicks / f"0.0.{i}.{j}-1-1.jsonl")
+            os.utime(clicks / f"0.0.{i}.{j}-1-1.jsonl", ns=(i * 10 + j, i * 10 + j))
     final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stdout + final.stderr
     before = audit(out, manifest=logs / "_manifest")
