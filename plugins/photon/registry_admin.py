@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg2.errors
+
 from photon import registry_sql as q
 from photon.migrations import applied, apply_migrations
 from photon.pg import autocommit, redact
@@ -76,25 +78,36 @@ def add_shard_config(
 ) -> ShardConfig:
     """Add shard configuration ``max(version) + 1`` valid from ``valid_from_us``; shard ``i`` goes to server
     ``placement[i % len(placement)]``. Creates the shard tables on their servers and records the configuration
-    and shard map on every server. (The acknowledged, future-dated reshard procedure is built on this.)"""
+    and shard map on every server. For the owner (``init``, tests); a live registry changes its configuration
+    through the acknowledged, future-dated reshard procedure (``photon.reshard``)."""
     _check_server_names(servers)
     placement = _check_placement(servers, placement)
     if not 1 <= num_shards <= 4096:
         raise ValueError("num_shards must be in 1..4096")
+    shard_server = {i: placement[i % len(placement)] for i in range(num_shards)}
+    # Main first: it numbers the configuration, and its INSERT has no ON CONFLICT, so two callers at once never both
+    # take a version (the loser gets the unique violation). The other servers copy what main holds.
     with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
-        cur.execute("SELECT coalesce(max(version), 0) + 1 FROM photon.shard_config")
+        try:
+            cur.execute(
+                "INSERT INTO photon.shard_config (version, valid_from_us, num_shards, state)"
+                " SELECT coalesce(max(version), 0) + 1, %s, %s, %s FROM photon.shard_config RETURNING version",
+                (valid_from_us, num_shards, state),
+            )
+        except psycopg2.errors.UniqueViolation as exc:
+            raise RegistryError(f"another shard configuration was added at the same moment: {exc}".strip()) from exc
         version = int(cur.fetchone()[0])
     config = ShardConfig(version, valid_from_us, num_shards, state)
-    shard_server = {i: placement[i % len(placement)] for i in range(num_shards)}
     for name in _ordered(servers):
         with autocommit(servers[name]) as conn:
             conn.autocommit = False
             with conn.cursor() as cur:
-                cur.execute(
-                    "INSERT INTO photon.shard_config (version, valid_from_us, num_shards, state)"
-                    " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                    (version, valid_from_us, num_shards, state),
-                )
+                if name != MAIN:
+                    cur.execute(
+                        "INSERT INTO photon.shard_config (version, valid_from_us, num_shards, state)"
+                        " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                        (version, valid_from_us, num_shards, state),
+                    )
                 cur.executemany(
                     "INSERT INTO photon.shard_map (config_version, shard_no, server) VALUES (%s, %s, %s)"
                     " ON CONFLICT DO NOTHING",
@@ -105,6 +118,14 @@ def add_shard_config(
                         cur.execute("SELECT photon.create_shard(%s, %s)", (version, i))
             conn.commit()
     return config
+
+
+def server_clock_us(dsn: str) -> int:
+    """The registry server's clock in epoch microseconds: thresholds and deadlines follow the registry's time, not
+    the clock of whichever host runs the job."""
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT photon.clock_us()")
+        return int(cur.fetchone()[0])
 
 
 def advance_gc_threshold(servers: Mapping[str, str], shard: ShardRef, ts_us: int) -> int:
@@ -191,9 +212,7 @@ def _shard_facts(dsn: str | None, ref: ShardRef, exact: bool) -> dict[str, Any]:
 
 def record_shard_sizes(servers: Mapping[str, str], event: str, *, at_us: int | None = None) -> int:
     """Append every shard's rows, bytes and GC threshold to ``photon.shard_history`` (for `photon report`)."""
-    import time
-
-    at = int(time.time() * 1_000_000) if at_us is None else at_us
+    at = server_clock_us(servers[MAIN]) if at_us is None else at_us
     st = status(servers, exact=True)
     rows = [
         (at, cfg["version"], sh["shard"], sh["server"], sh["rows"], sh["bytes"], sh["gc_threshold_us"], event)
