@@ -2,6 +2,9 @@
 ``now - retention - max_clock_skew`` (never back: ``greatest()`` in the UPDATE and a trigger), then drop the time
 partitions wholly below it and delete the rows left below it in the partition it cuts through.
 
+``now`` is the main registry server's clock, never the GC host's: a threshold never goes back, so one run on a host
+whose clock is ahead would move it forward for good and refuse ids that are still within the retention.
+
 A register transaction reads its shard's threshold FOR SHARE in the transaction that inserts, so once the new
 threshold commits no id below it can be registered: the joiner sends such a click to ``unjoinable/`` with the reason
 "older than the registry's garbage-collection threshold", and replaying old logs never duplicates output.
@@ -9,7 +12,6 @@ threshold commits no id below it can be registered: the joiner sends such a clic
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,18 +67,20 @@ def collect_garbage(
     now_us: int | None = None,
     dry_run: bool = False,
 ) -> GCReport:
-    """One GC pass over every shard of every configuration. Safe to run concurrently with itself and with joiners."""
+    """One GC pass over every shard of every configuration. Safe to run concurrently with itself and with joiners.
+    ``now_us`` (tests) replaces the registry server's clock."""
     if retention_s <= 0:
         raise ValueError("retention must be positive")
-    target = gc_target_us(int(time.time() * US) if now_us is None else now_us, retention_s, max_clock_skew_s)
+    from photon.registry_admin import record_shard_sizes, server_clock_us
+
+    now = server_clock_us(servers[MAIN]) if now_us is None else now_us
+    target = gc_target_us(now, retention_s, max_clock_skew_s)
     layout, _ = read_layout(servers[MAIN])
     report = GCReport(dry_run=dry_run, target_us=target)
     for ref in layout.shards():
         server = layout.server_of(ref)
         report.shards.append(_collect_shard(servers[server], server, ref, target, dry_run))
     if not dry_run:
-        from photon.registry_admin import record_shard_sizes
-
         record_shard_sizes(servers, "gc")
     return report
 
@@ -96,9 +100,9 @@ def _collect_shard(dsn: str, server: str, ref: ShardRef, target: int, dry_run: b
         out = ShardGC(str(ref), server, before, after)
         cur.execute("SELECT * FROM photon.expired_partitions(%s, %s, %s)", (ref.version, ref.shard_no, after))
         expired = cur.fetchall()
-        for name, _start, _end, size in expired:
-            if dry_run:
-                cur.execute(q.count_partition(name))
+        for name, start, end, size in expired:
+            if dry_run:  # through the shard table: the GC role's privileges are on it, not on its partitions
+                cur.execute(q.count_range(ref), (start, end))
                 rows = int(cur.fetchone()[0])
             else:
                 cur.execute("SELECT photon.drop_expired_partition(%s, %s, %s)", (ref.version, ref.shard_no, name))

@@ -93,6 +93,10 @@ def count_below(ref: ShardRef) -> sql.Composed:
     return sql.SQL("SELECT count(*) FROM {} WHERE ts_us < %s").format(_table(ref))
 
 
+def count_range(ref: ShardRef) -> sql.Composed:
+    return sql.SQL("SELECT count(*) FROM {} WHERE ts_us >= %s AND ts_us < %s").format(_table(ref))
+
+
 def delete_below(ref: ShardRef) -> sql.Composed:
     return sql.SQL("DELETE FROM {} WHERE ts_us < %s").format(_table(ref))
 

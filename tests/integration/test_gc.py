@@ -164,3 +164,36 @@ def test_gc_while_two_joiners_replay_old_logs(tmp_path: Path, servers: dict[str,
     for c in charts:
         data = c.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_gc_takes_now_from_the_registry_server_not_from_a_host_clock_far_ahead(
+    servers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = time.time
+    recent = make_id("10.0.0.1", 7, int((real() - 600) * US))  # ten minutes old: inside a one-hour retention
+    monkeypatch.setattr(time, "time", lambda: real() + 30 * 86_400)  # the GC host believes it is a month later
+    report = collect_garbage(servers, retention_s=3600, max_clock_skew_s=10)
+    server_now = real() * US
+    for s in report.shards:  # the thresholds follow the server's time, not the host's
+        assert abs(s.threshold_after_us - (server_now - 3610 * US)) < 60 * US
+    assert abs(report.target_us - (server_now - 3610 * US)) < 60 * US
+    res = IdRegistry(servers).register([recent], create_owner(servers["main"], "dc-a").token(1))
+    assert res.outcomes.tolist() == [Outcome.WON]  # a host clock ahead would have made it TOO_OLD for good
+
+
+def test_gc_runs_as_a_login_holding_only_photon_gc(
+    servers: dict[str, str], login_as: Callable[[str, str], str]
+) -> None:
+    now = (int(time.time()) // 3600) * HOUR + 30 * 60 * US
+    ids = [make_id("10.0.0.1", 7, now - h * HOUR + i) for h in range(4) for i in range(0, 500 * 1_000, 1_000)]
+    IdRegistry(servers).register(ids, create_owner(servers["main"], "dc-a").token(1))
+    as_gc = {"main": login_as(servers["main"], "photon_gc")}
+    dry = collect_garbage(as_gc, retention_s=2.5 * 3600, max_clock_skew_s=0, now_us=now, dry_run=True)
+    assert dry.rows_freed == 500 and sum(len(s.partitions) for s in dry.shards) == 4  # the hour-3 partitions
+    report = collect_garbage(as_gc, retention_s=2 * 3600 - 0.25, max_clock_skew_s=0, now_us=now)
+    assert report.rows_freed == 500 + 250 and sum(len(s.partitions) for s in report.shards) == 4
+    assert sum(s.straggler_rows for s in report.shards) == 250 and rows_total(servers) == 1_250
+    again = collect_garbage(as_gc, retention_s=3600, max_clock_skew_s=10)  # now from the server, as the DAG runs it
+    assert abs(again.target_us - (time.time() - 3610) * US) < 60 * US
+    assert all(s.threshold_after_us >= s.threshold_before_us for s in again.shards)
+    assert rows_total(servers) == 1_250 - again.rows_freed
