@@ -105,4 +105,6 @@ def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
     yield make
     with autocommit(pg_admin_dsn) as conn, conn.cursor() as cur:
         for name in made:
+            # Sessions still open as the role (a Spark worker's cached registry client) hold temp tables it owns.
+            cur.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s", (name,))
             cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))

@@ -247,11 +247,7 @@ def verify_and_recover(
             if dry_run:
                 report.fenced.append(name)
                 continue
-            lcur.execute(
-                "SELECT new_epoch FROM photon.fence_pipeline(%s, %s, %s, %s)",
-                (name, pipe.epoch, pipe.last_batch, grace_s),
-            )
-            (report.fenced if lcur.fetchone() is not None else report.not_fenced).append(name)
+            (report.fenced if _fence(lcur, pipe, grace_s) else report.not_fenced).append(name)
         step("fenced")
         # 5. Roll forward committed, unpublished batches older than the grace period.
         lcur.execute(
@@ -323,6 +319,15 @@ def verify_and_recover(
 
 
 _NONE = _Batch(0, 0, False, None)
+
+
+def _fence(cur: Any, pipe: _Pipeline, grace_s: float) -> bool:
+    """Fence the pipeline if it still holds the epoch and last batch seen and is still idle past the grace period
+    (by the server's clock); True if it was fenced. A pipeline that moved is alive: not fenced, nothing judged gone."""
+    cur.execute(
+        "SELECT new_epoch FROM photon.fence_pipeline(%s, %s, %s, %s)", (pipe.name, pipe.epoch, pipe.last_batch, grace_s)
+    )
+    return cur.fetchone() is not None
 
 
 def _groups(t: pa.Table) -> list[tuple[tuple[int, int], pa.Table]]:

@@ -1,0 +1,260 @@
+"""The verifier on the bad days, one deterministic test per failure found against it (issue 10): a view that goes
+stale while a joiner commits, a data center lost for good, a wrong output folder, roles that claim least privilege,
+an idle joiner taken for a gone one. Every component runs as a login holding only its own role; the joiners are real
+(in-process on the shared Spark session, or a real process killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pyarrow.parquet as pq
+import pytest
+
+import photon.verify
+from photon.audit import audit
+from photon.generator import GeneratorSettings, generate
+from photon.joiner import Joiner, JoinSettings
+from photon.parse import parse_file
+from photon.pg import autocommit
+from photon.pipeline_state import FencedError
+from photon.registry import IdRegistry
+from photon.registry_admin import init_registry
+from photon.verify import EvidenceMissingError, verify_and_recover
+
+pytestmark = pytest.mark.integration
+US = 1_000_000
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = JoinSettings(max_click_files=4, trigger_interval_s=0.1, heartbeat_s=0.2)
+
+
+@dataclass
+class Roles:
+    owner: str  # the registry's owner: init and test inspection only
+    joiner: dict[str, str]
+    verifier: dict[str, str]
+
+
+@pytest.fixture
+def roles(make_db: Callable[[], str], login_as: Callable[[str, str], str]) -> Roles:
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=4)
+    return Roles(dsn, {"main": login_as(dsn, "photon_joiner")}, {"main": login_as(dsn, "photon_verifier")})
+
+
+def make_logs(root: Path, dcs: tuple[str, ...], seconds: float = 12, rate: float = 600) -> Path:
+    start = (int(time.time()) - 600) * US
+    settings = GeneratorSettings(events_per_s=rate, dcs=dcs, malformed_fraction=0.0, late_click_fraction=0.0)
+    generate(settings, root, start_us=start, end_us=start + int(seconds * US))
+    return root
+
+
+def tokened(dsn: str) -> int:
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        total = 0
+        for shard in range(4):
+            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token IS NOT NULL")
+            total += cur.fetchone()[0]
+    return total
+
+
+def recovered_files(logs: Path) -> list[Path]:
+    return sorted(logs.glob("*/clicks/recovered-*"))
+
+
+def click_ids(logs: Path, dc: str, names: list[str]) -> list[str]:
+    ids: list[str] = []
+    for n in names:
+        path = logs / dc / "clicks" / n
+        ids += parse_file(n, path.read_bytes(), "clicks")[0]["click_id"].to_pylist()
+    return ids
+
+
+def drain_and_audit(roles: Roles, logs: Path, out: Path, spark: Any, dcs: tuple[str, ...]) -> Any:
+    """What an operator does once the input stops: every live pipeline drains, the verifier runs, they drain again;
+    then the independent audit."""
+    for _ in range(2):
+        for dc in dcs:
+            Joiner(dc, logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+        verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    return audit(out, manifest=logs / "_manifest")
+
+
+# -- 1. the verifier's view goes stale -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moment", ["after_read", "before_fence", "before_delete"])
+@pytest.mark.parametrize("who", ["idle_lease", "late_new_lease"])
+def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
+    tmp_path: Path, roles: Roles, spark: Any, monkeypatch: pytest.MonkeyPatch, moment: str, who: str
+) -> None:
+    """Batch 2 is registered and not committed; the pipeline is idle past the grace period. While the verifier runs,
+    batch 2 commits and publishes: by the same lease waking up (an idle replica), or by a new lease that started late
+    after a crash. ``after_read``: right after the verifier read the pipelines and the registry; ``before_fence``:
+    as it fences; ``before_delete``: after it read every piece of evidence, just before it deletes."""
+    logs = make_logs(tmp_path / "logs", ("dc-a",))
+    out = tmp_path / "out"
+    first = Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS)
+    first.run(max_batches=1)
+    q_files, c_files = first._new_files()
+    assert first.lease is not None and c_files
+    with IdRegistry(roles.joiner) as reg:  # batch 2's registration, as the lease's executors do it
+        reg.register(click_ids(logs, "dc-a", c_files), first.lease.token(2))
+    time.sleep(1.0)  # nothing heartbeats outside a run: idle past the grace period
+
+    def commit_batch_2() -> None:
+        try:
+            if who == "idle_lease":
+                first.run_batch(2, q_files, c_files)
+            else:
+                Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(max_batches=1)
+        except FencedError:
+            pass  # the verifier fenced first: the batch is refused, and its clicks are the verifier's to recover
+
+    target = {"after_read": "_tokened_rows", "before_fence": "_fence", "before_delete": "data_center_of"}[moment]
+    original = getattr(photon.verify, target)
+
+    def interleaved(*args: Any) -> Any:
+        if moment == "before_fence":
+            commit_batch_2()
+            return original(*args)
+        result = original(*args)
+        commit_batch_2()
+        return result
+
+    monkeypatch.setattr(photon.verify, target, interleaved)
+    verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    monkeypatch.undo()
+    report = drain_and_audit(roles, logs, out, spark, ("dc-a",))
+    assert report.duplicate_clicks == 0, report.samples["duplicates"]
+    assert report.ok, report.failures()
+    assert tokened(roles.owner) == 0
+
+
+# -- 2. a data center lost for good ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("crash", ["after_register", "after_commit"])
+def test_the_surviving_data_center_finishes_the_work_of_a_lost_one(
+    tmp_path: Path, roles: Roles, spark: Any, crash: str
+) -> None:
+    """dc-a's joiner process is killed in batch 2 (after registering, or after committing but before publishing) and
+    never comes back. dc-b's pre-filter drops the clicks dc-a holds; the verifier, as its own role, fences dc-a or
+    rolls its committed batch forward, and hands the rest to dc-b. In the end every click has one outcome."""
+    logs = make_logs(tmp_path / "logs", ("dc-a", "dc-b"))
+    out = tmp_path / "out"
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": roles.joiner["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env |= {"PHOTON_TEST_MAX_CLICK_FILES": "4", "PHOTON_CRASH_AT": f"{crash}@2"}
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
+    cmd += ["--until-caught-up", "--trigger-interval", "0.1", "--master", "local[1]"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+    Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+    before = audit(out, manifest=logs / "_manifest")
+    assert before.lost > 0 and before.duplicate_clicks == 0  # dc-b dropped what dc-a holds: lost until recovered
+
+    time.sleep(1.0)
+    report = verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    if crash == "after_register":
+        assert report.fenced == ["dc-a"] and report.recovered == before.lost and report.not_in_logs == 0
+        assert {p.parent.parent.name for p in recovered_files(logs)} == {"dc-a", "dc-b"}
+    else:
+        assert report.rolled_forward == ["dc-a/2"] and report.fenced == [] and report.lost == 0
+    Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+    verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    after = audit(out, manifest=logs / "_manifest")
+    assert after.ok, after.failures()
+    assert after.lost == 0 and after.duplicate_clicks == 0 and after.outcomes["none"] == 0
+    assert tokened(roles.owner) == 0
+
+
+# -- 3. missing evidence -----------------------------------------------------------------------------------------------
+
+
+def test_missing_output_stops_the_verifier_and_changes_nothing(tmp_path: Path, roles: Roles, spark: Any) -> None:
+    logs = make_logs(tmp_path / "logs", ("dc-a",))
+    out = tmp_path / "out"
+    Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+    held = tokened(roles.owner)
+    assert held > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "dc-a" / "joined").mkdir(parents=True)  # a mount point whose volume is missing
+    (empty / "dc-a" / "_pipeline.json").write_text('{"pipeline": "dc-a", "dc": "dc-a"}\n')
+    for wrong in (tmp_path / "typo", tmp_path / "elsewhere", empty):
+        (tmp_path / "elsewhere").mkdir(exist_ok=True)
+        with pytest.raises(EvidenceMissingError, match="nothing was changed"):
+            verify_and_recover(roles.verifier, wrong, logs, grace_s=0.0)
+    # One output file deleted by hand: the batch's files no longer hold what it committed.
+    victim = sorted((out / "dc-a" / "joined").glob("*.parquet"))[0]
+    kept = pq.read_table(victim)
+    victim.unlink()
+    with pytest.raises(EvidenceMissingError, match=victim.name.rsplit("-", 1)[0]):
+        verify_and_recover(roles.verifier, out, logs, grace_s=0.0)
+    assert tokened(roles.owner) == held and not recovered_files(logs)
+    pq.write_table(kept, victim)
+    report = verify_and_recover(roles.verifier, out, logs, grace_s=0.0)
+    assert report.committed == held and report.lost == 0 and tokened(roles.owner) == 0
+
+
+# -- 4. least privilege ----------------------------------------------------------------------------------------------
+
+
+def test_a_joiner_can_only_move_its_pipeline_forward(tmp_path: Path, roles: Roles, spark: Any) -> None:
+    logs = make_logs(tmp_path / "logs", ("dc-a",), seconds=4)
+    Joiner("dc-a", logs, tmp_path / "out", roles.joiner, spark, SETTINGS).run(until_caught_up=True)
+    refused = [
+        "UPDATE photon.pipelines SET epoch = epoch - 1",
+        "UPDATE photon.pipelines SET last_batch = last_batch - 1",
+        "UPDATE photon.pipelines SET last_batch = last_batch + 2",
+        "UPDATE photon.pipelines SET epoch = epoch + 1, last_batch = last_batch + 1",
+        "UPDATE photon.pipelines SET owner_id = owner_id + 1, epoch = epoch + 1",
+        "UPDATE photon.batches SET published = false",
+        "UPDATE photon.batches SET epoch = epoch + 1",
+        "DELETE FROM photon.batches",
+        "DELETE FROM photon.consumed_files",
+        "UPDATE photon.batch_metrics SET joined = 0",
+        "UPDATE photon.owners SET retired_at = NULL",
+        "SELECT * FROM photon.fence_pipeline('dc-a', 1, 1, 0)",
+    ]
+    for statement in refused:
+        with autocommit(roles.joiner["main"]) as conn, conn.cursor() as cur, pytest.raises(psycopg2.Error):
+            cur.execute(statement)
+    for statement in (
+        "UPDATE photon.pipelines SET epoch = epoch + 1",
+        "INSERT INTO photon.ids_c1_s0 VALUES (1, 1, 1)",  # it deletes and clears rows, it never registers
+        "UPDATE photon.batches SET published = false",
+    ):
+        with autocommit(roles.verifier["main"]) as conn, conn.cursor() as cur, pytest.raises(psycopg2.Error):
+            cur.execute(statement)
+    with autocommit(roles.joiner["main"]) as conn, conn.cursor() as cur:
+        cur.execute("UPDATE photon.pipelines SET epoch = epoch + 1 RETURNING epoch")  # what a new lease does
+        assert cur.fetchone()[0] > 1
+
+
+# -- 5. a live joiner is never fenced ---------------------------------------------------------------------------------
+
+
+def test_an_idle_live_joiner_heartbeats_and_is_not_fenced(tmp_path: Path, roles: Roles, spark: Any) -> None:
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    (logs / "dc-a" / "clicks").mkdir(parents=True)
+    joiner = Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS)
+    lease = joiner.start()
+    now = int(time.time() * US)
+    with IdRegistry(roles.joiner) as reg:  # a batch in flight: its clicks registered, its files not yet committed
+        reg.register([f"10.0.0.1-7-{now - i}" for i in range(5)], lease.token(lease.last_batch + 1))
+    thread = threading.Thread(target=joiner.run, kwargs={"run_for_s": 4.0})
+    thread.start()
+    time.sleep(2.0)  # ten heartbeats, no batch: idle the whole time
+    report = verify_and_recover(roles.verifier, out, logs, grace_s=1.0)
+    thread.join()
+    assert report.fenced == [] and report.in_flight == 5 and report.lost == 0
+    assert tokened(roles.owner) == 5
