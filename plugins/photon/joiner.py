@@ -357,12 +357,12 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         again = miss.filter(pa.array(~late))
         attempts = again.column("attempts").to_numpy()
         backoff = np.minimum(t.retry_max_s, t.retry_base_s * np.power(2.0, attempts))
+        # Never past the deadline: a query arriving in a click's last seconds must still find it.
+        due = np.minimum(t.now + (backoff * US).astype(np.int64), since[~late] + t.max_join_delay_us)
         again = again.set_column(
             again.schema.get_field_index("attempts"), "attempts", pa.array(attempts + 1, pa.int32())
         )
-        again = again.set_column(
-            again.schema.get_field_index("due_us"), "due_us", pa.array((t.now + backoff * US).astype(np.int64))
-        )
+        again = again.set_column(again.schema.get_field_index("due_us"), "due_us", pa.array(due, pa.int64()))
         retry.append(again)
     if unjoinable:
         table = pa.concat_tables(unjoinable)

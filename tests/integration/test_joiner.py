@@ -172,3 +172,50 @@ def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
             cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
             registered += cur.fetchone()[0]
     assert registered == len(set(joined_ids(out)))
+
+
+def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, servers: dict[str, str]) -> None:
+    """Backoff grows to 16 s, but the contract says a click whose query arrives within the maximum join delay must be
+    joined: the next look may not be scheduled past the click's deadline, or a query arriving in its last seconds
+    would be missed. A recovered click's deadline runs from its recovery."""
+    import pyarrow as pa
+
+    from photon.joiner import CANDIDATE, _Task, join_partition
+
+    now = int(time.time() * US)
+    delay = 20 * US
+    rows = pa.table(
+        {
+            "click_id": [f"10.0.0.1-5-{now - 10 * US}", f"10.0.0.1-5-{now - 600 * US}"],
+            "click_ts_us": [now - 10 * US, now - 600 * US],
+            "query_id": [f"10.0.0.2-6-{now - 11 * US}", f"10.0.0.2-6-{now - 601 * US}"],
+            "ad_id": ["a1", "a1"],
+            "attempts": pa.array([4, 4], pa.int32()),  # the next backoff would be 16 s
+            "first_seen_us": [now - 10 * US, now - 5 * US],
+            "due_us": [now, now],
+            "recovered_us": pa.array([None, now - 5 * US], pa.int64()),  # the second one: re-dispatched 5 s ago
+        },
+        CANDIDATE,
+    )
+    task = _Task(
+        dc="dc-a",
+        tag="b0000000001-e1",
+        now=now,
+        stage=str(tmp_path / "stage"),
+        state=str(tmp_path / "state"),
+        servers=tuple(servers.items()),
+        token=(1 << 32) | 1,
+        bucket_s=10,
+        cache_buckets=4,
+        cache_max_rows=1000,
+        max_join_delay_us=delay,
+        retry_base_s=1.0,
+        retry_max_s=16.0,
+        adapter="photon.adapter:default_adapter",
+    )
+    counts, _ = join_partition(task, rows, 0)
+    assert counts["retried"] == 2 and counts["unjoinable"] == 0
+    waiting = pq.read_table(tmp_path / "state" / "retries" / task.tag).sort_by("click_ts_us")
+    # The first waits for its deadline (now + 10 s), not now + 16 s; the second, 600 s old but recovered 5 s ago,
+    # for its recovery's deadline (now + 15 s).
+    assert sorted(waiting["due_us"].to_pylist()) == [now + 10 * US, now + 15 * US]
