@@ -1,5 +1,6 @@
 """The Airflow side on Airflow 3.3 for real: DAG integrity, and ``dag.test()`` runs of the joiner lease (through
-SparkSubmitOperator and a real spark-submit), the data-quality checkpoint and the backfill, against real PostgreSQL."""
+SparkSubmitOperator and a real spark-submit), the data-quality checkpoint and the backfill, against real PostgreSQL.
+The joiner, GC, verify and reshard DAGs run as logins holding only their component's role (``as_components``)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def registry_connection(dsn: str) -> str:
     )
 
 
+def conn_env(conn_id: str) -> str:
+    return f"AIRFLOW_CONN_{conn_id.upper()}"
+
+
 def task_states(run: Any) -> dict[str, str]:
     return {ti.task_id: str(ti.state) for ti in run.get_task_instances()}
 
@@ -78,6 +83,40 @@ def env(airflow_db: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, make_d
         logs, out, registry = tmp_path / "logs", tmp_path / "out", dsn
 
     yield Env
+
+
+@pytest.fixture
+def as_components(env: Any, login_as: Callable[[str, str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each component's connection (``photon_registry_<component>``) as a login holding only its role, and
+    ``photon_registry`` itself as a login that does not exist: a DAG that fell back to it, or used another
+    component's connection, would fail."""
+    from photon.airflow.hooks import COMPONENT_ROLES, IdRegistryHook, component_conn_id
+
+    for component, role in COMPONENT_ROLES.items():
+        dsn = login_as(env.registry, role)
+        conn_id = component_conn_id(IdRegistryHook.default_conn_name, component)
+        monkeypatch.setenv(conn_env(conn_id), registry_connection(dsn))
+    nobody = psycopg2.extensions.make_dsn(env.registry, user="photon_no_such_login", password="x")
+    monkeypatch.setenv(conn_env(IdRegistryHook.default_conn_name), registry_connection(nobody))
+
+
+def test_registry_hook_takes_the_component_connection_or_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from photon.airflow.hooks import IdRegistryHook
+    from photon.airflow.operators import PhotonSparkSubmitOperator
+
+    owner = "host=pg port=5432 user=photon password=o dbname=photon"
+    gc = "host=pg port=5432 user=photon_gc_login password=g dbname=photon"
+    monkeypatch.setenv("AIRFLOW_CONN_PHOTON_REGISTRY", registry_connection(owner))
+    monkeypatch.setenv("AIRFLOW_CONN_PHOTON_REGISTRY_GC", registry_connection(gc))
+    monkeypatch.delenv("AIRFLOW_CONN_PHOTON_REGISTRY_VERIFIER", raising=False)
+    user = lambda hook: psycopg2.extensions.parse_dsn(hook.servers()["main"])["user"]  # noqa: E731
+    assert user(IdRegistryHook(component="gc")) == "photon_gc_login"
+    assert user(IdRegistryHook(component="verifier")) == "photon"  # not defined: photon_registry's login
+    assert user(IdRegistryHook()) == "photon"
+    with pytest.raises(ValueError, match="unknown registry component"):
+        IdRegistryHook(component="admin")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown registry component"):
+        PhotonSparkSubmitOperator(task_id="t", application="a.py", registry_component="owner")  # type: ignore[arg-type]
 
 
 def test_dags_import_cleanly_with_the_expected_shape(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,6 +139,9 @@ def test_dags_import_cleanly_with_the_expected_shape(monkeypatch: pytest.MonkeyP
     assert type(join).__name__ == "PhotonSparkSubmitOperator" and join._conn_id == "spark_default"
     assert Path(join.application).is_file() and "--run-for" in join.application_args
     assert bag.dags["photon_join_dc_a"].get_task("joiner_lease").retry_exponential_backoff
+    for task in [join, *bag.dags["photon_backfill"].tasks]:
+        assert task.registry_component == "joiner" and task.registry_conn_id == "photon_registry", task.task_id
+        assert {"registry_conn_id", "application_args", "env_vars"} <= set(task.template_fields), task.task_id
     quality = bag.dags["photon_data_quality"]
     assert [t.task_id for t in quality.get_task("settle").downstream_list] == ["checkpoint"]
 
@@ -125,6 +167,7 @@ sys.exit(1 if bag.import_errors or len(bag.dags) != {len(EXPECTED)} else 0)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
+@pytest.mark.usefixtures("as_components")
 def test_join_dag_runs_a_lease_through_spark_submit(env: Any) -> None:
     start = (int(time.time()) - 600) * US
     generate(
@@ -320,6 +363,7 @@ def test_join_lease_on_a_spark_standalone_cluster(
     assert "photon-join-dc-a" in names  # the lease ran on the cluster, not in local mode
 
 
+@pytest.mark.usefixtures("as_components")
 def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
     from photon.ids import make_id
     from photon.owners import create_owner
@@ -339,6 +383,7 @@ def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
     assert rows == 1  # the 100 old ids are gone, the recent one stays
 
 
+@pytest.mark.usefixtures("as_components")
 def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
     start = (int(time.time()) - 600) * US
     generate(GeneratorSettings(events_per_s=600, dcs=("dc-a",)), env.logs, start_us=start, end_us=start + 10 * US)
@@ -351,6 +396,7 @@ def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
     assert again.checked == 0  # the DAG's run cleared every committed click's token
 
 
+@pytest.mark.usefixtures("as_components")
 def test_reshard_dag_activates_a_new_configuration(env: Any) -> None:
     from photon.registry_admin import status
 

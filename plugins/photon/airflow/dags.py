@@ -2,8 +2,12 @@
 
 Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``); paths come from the Variables
 ``photon_logs`` and ``photon_out`` (templated, so read when a task runs), endpoints from the connections
-``photon_registry`` and ``spark_default``, tunables from each DAG's params (the form the UI shows on "Trigger DAG
-w/ config").
+``photon_registry_<component>`` (each falling back to ``photon_registry``) and ``spark_default``, tunables from each
+DAG's params (the form the UI shows on "Trigger DAG w/ config").
+
+Each DAG reaches the registry as its own component's login: the joiner and backfill DAGs as ``joiner``,
+photon_verify_recover as ``verifier``, photon_registry_gc as ``gc``, photon_reshard as ``reshard``;
+photon_data_quality reads only the output files.
 """
 
 from __future__ import annotations
@@ -82,11 +86,12 @@ def join_dag(dc: str) -> DAG:
 
 
 def _joiner_task(task_id: str, name: str, dc: str, args: list[str], timeout: timedelta) -> PhotonSparkSubmitOperator:
-    """A joiner run through spark-submit (``spark/photon_join.py``) on ``spark_default``."""
+    """A joiner run through spark-submit (``spark/photon_join.py``) on ``spark_default``, as the joiner's login."""
     return PhotonSparkSubmitOperator(
         task_id=task_id,
         application=JOIN_APP,
         conn_id="spark_default",
+        registry_component="joiner",
         name=name,
         application_args=[
             *("--dc", dc, "--logs", LOGS, "--out", OUT, "--max-join-delay", "{{ params.max_join_delay_s }}"),
@@ -208,7 +213,7 @@ def registry_gc_dag() -> DAG:
 
             p = context["params"]
             report = collect_garbage(
-                IdRegistryHook().servers(),
+                IdRegistryHook(component="gc").servers(),
                 retention_s=float(p["retention_s"]),
                 max_clock_skew_s=float(p["max_clock_skew_s"]),
                 dry_run=bool(p["dry_run"]),
@@ -244,7 +249,7 @@ def verify_recover_dag() -> DAG:
 
             p = context["params"]
             report = verify_and_recover(
-                IdRegistryHook().servers(),
+                IdRegistryHook(component="verifier").servers(),
                 Path(out),
                 Path(logs),
                 grace_s=float(p["grace_s"]),
@@ -288,7 +293,7 @@ def reshard_dag() -> DAG:
 
             p = context["params"]
             report = reshard(
-                IdRegistryHook().servers(),
+                IdRegistryHook(component="reshard").servers(),
                 num_shards=int(p["num_shards"]),
                 placement=list(p["placement"]),
                 lead_s=float(p["lead_s"]),

@@ -3,14 +3,22 @@
 The connection names the ``main`` server; more servers (for shards placed elsewhere) go in its extra as
 ``{"servers": {"pg2": "host=... dbname=..."}}``. The hook only builds DSNs and hands out the core package's
 clients; the operators that run Spark jobs get the DSNs from it at execution time, never at parse time.
+
+Each component runs as its own least-privilege login (a LOGIN role holding one of the NOLOGIN roles the migrations
+grant to: ``photon_joiner``, ``photon_verifier``, ``photon_gc``, ``photon_reshard``), through the connection
+``photon_registry_<component>``; its extra names that login's DSNs for the other servers. Where a component's
+connection is not defined the hook falls back to ``photon_registry`` itself, with a warning: then the component
+runs with that login's rights (the owner's, as ``photon airflow`` sets it up on a laptop). Only ``init`` (the
+migrations) needs the owner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowNotFoundException
 
 from photon.registry_admin import init_registry, status
 
@@ -36,25 +44,66 @@ def dsn_from_connection(conn: Any) -> str:
     return " ".join(f"{k}={quote(v)}" for k, v in parts.items() if v not in (None, ""))
 
 
+Component = Literal["joiner", "verifier", "gc", "reshard"]
+# Component -> the NOLOGIN role (sql/) its login holds.
+COMPONENT_ROLES: dict[str, str] = {
+    "joiner": "photon_joiner",
+    "verifier": "photon_verifier",
+    "gc": "photon_gc",
+    "reshard": "photon_reshard",
+}
+
+
+def component_conn_id(conn_id: str, component: str) -> str:
+    """The connection a component uses: ``photon_registry`` + ``_gc`` -> ``photon_registry_gc``."""
+    if component not in COMPONENT_ROLES:
+        raise ValueError(f"unknown registry component {component!r}: one of {sorted(COMPONENT_ROLES)}")
+    return f"{conn_id}_{component}"
+
+
 class IdRegistryHook(BaseHook):
-    """The Photon IdRegistry on PostgreSQL, through the ``photon_registry`` connection."""
+    """The Photon IdRegistry on PostgreSQL, through the ``photon_registry`` connection, or with ``component``
+    through that component's own connection (``photon_registry_<component>``), falling back to ``photon_registry``
+    where it is not defined."""
 
     conn_name_attr = "photon_registry_conn_id"
     default_conn_name = "photon_registry"
     conn_type = "postgres"
     hook_name = "Photon IdRegistry"
 
-    def __init__(self, photon_registry_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+    def __init__(
+        self, photon_registry_conn_id: str = default_conn_name, component: Component | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        if component is not None:
+            component_conn_id(photon_registry_conn_id, component)  # refuse an unknown component at once
         self.photon_registry_conn_id = photon_registry_conn_id
+        self.component = component
+
+    def connection(self) -> Any:
+        """The Airflow connection this hook's component uses (read at call time, never cached)."""
+        if self.component is None:
+            return self.get_connection(self.photon_registry_conn_id)
+        conn_id = component_conn_id(self.photon_registry_conn_id, self.component)
+        try:
+            return self.get_connection(conn_id)
+        except AirflowNotFoundException:
+            self.log.warning(
+                "connection %s is not defined: the %s runs as %s's login, not as a login holding only %s",
+                conn_id,
+                self.component,
+                self.photon_registry_conn_id,
+                COMPONENT_ROLES[self.component],
+            )
+            return self.get_connection(self.photon_registry_conn_id)
 
     def servers(self) -> dict[str, str]:
         """Server name -> DSN: ``main`` from the connection, others from its extra's ``servers``."""
-        conn = self.get_connection(self.photon_registry_conn_id)
+        conn = self.connection()
         servers = {"main": dsn_from_connection(conn)}
         more: Mapping[str, str] = (conn.extra_dejson or {}).get("servers", {})
         if "main" in more:
-            raise ValueError(f"connection {self.photon_registry_conn_id}: extra 'servers' cannot redefine 'main'")
+            raise ValueError(f"connection {conn.conn_id}: extra 'servers' cannot redefine 'main'")
         servers.update(more)
         return servers
 

@@ -1,8 +1,9 @@
 """``PhotonSparkSubmitOperator``: the Spark provider's ``SparkSubmitOperator`` running one of the project's Spark
 entry points (``spark/``), with what every such job needs added at execution time, never at parse time:
 
-- the registry's DSNs from ``IdRegistryHook`` (the ``photon_registry`` connection), in spark-submit's environment
-  rather than on its command line, so they never show in the UI or the process list;
+- the registry's DSNs from ``IdRegistryHook`` as the job's component (the joiner: connection
+  ``photon_registry_joiner``, else ``photon_registry``), in spark-submit's environment rather than on its command
+  line, so they never show in the UI or the process list; the executors get them from the driver;
 - the core package on the driver's and executors' ``PYTHONPATH``, and the same Python for both;
 - ``spark-submit`` itself from the environment Airflow runs in.
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from photon.airflow.hooks import IdRegistryHook
+from photon.airflow.hooks import Component, IdRegistryHook, component_conn_id
 
 PLUGINS_DIR = str(Path(__file__).resolve().parents[2])
 PROJECT_DIR = str(Path(PLUGINS_DIR).parent)
@@ -27,9 +28,22 @@ SPARK_DIR = Path(PROJECT_DIR) / "spark"
 
 
 class PhotonSparkSubmitOperator(SparkSubmitOperator):
-    def __init__(self, *, registry_conn_id: str = IdRegistryHook.default_conn_name, **kwargs: Any) -> None:
+    """``registry_component`` is the role the job connects to the registry as (the project's Spark entry point is the
+    joiner); ``registry_conn_id`` (templated) the connection its component's connection is named after."""
+
+    template_fields = (*SparkSubmitOperator.template_fields, "registry_conn_id")
+
+    def __init__(
+        self,
+        *,
+        registry_conn_id: str = IdRegistryHook.default_conn_name,
+        registry_component: Component = "joiner",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
+        component_conn_id(registry_conn_id, registry_component)  # an unknown component fails the DAG file's import
         self.registry_conn_id = registry_conn_id
+        self.registry_component = registry_component
 
     def execute(self, context: Any) -> None:
         bin_dir = str(Path(sys.executable).parent)
@@ -39,7 +53,7 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
             "PYSPARK_PYTHON": sys.executable,
             "PYSPARK_DRIVER_PYTHON": sys.executable,
             **(self.env_vars or {}),
-            **IdRegistryHook(self.registry_conn_id).environment(),
+            **IdRegistryHook(self.registry_conn_id, component=self.registry_component).environment(),
         }
         self.env_vars = env
         self.conf = {
