@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo airflow bench-registry bench-generator bench-pipeline lock clean-state
+.PHONY: setup test lint demo airflow bench-registry bench-generator bench-pipeline lock clean-state chaos
 
 setup: $(VENV)/.ready
 
@@ -62,3 +62,10 @@ bench-generator: setup
 
 bench-pipeline: setup
 	"$(PY)" -m bench.pipeline $(BENCH_ARGS)
+
+# The nemesis: live logs, seeded random faults (joiner SIGKILLs, the registry stopped hard, verify beside the joiners,
+# a replica outage, a data center lost for good), then a checker that reads files only. Last line: JSON.
+SEED ?= 1
+SECONDS ?= 300
+chaos: setup
+	"$(PY)" -m tests.nemesis.run --seed $(SEED) --seconds $(SECONDS) $(CHAOS_ARGS)

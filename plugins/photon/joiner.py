@@ -94,9 +94,10 @@ class BatchResult:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def _maybe_crash(point: str, batch_seq: int) -> None:
-    """Fault injection for tests: PHOTON_CRASH_AT=<point>@<batch> kills this process with SIGKILL right there."""
-    if os.environ.get("PHOTON_CRASH_AT") == f"{point}@{batch_seq}":
+def _maybe_crash(point: str, batch_seq: int, lease_batch: int) -> None:
+    """Fault injection for tests: PHOTON_CRASH_AT=<point>@<batch> kills this process with SIGKILL right there;
+    ``<point>@+<n>`` at the lease's n-th batch."""
+    if os.environ.get("PHOTON_CRASH_AT") in (f"{point}@{batch_seq}", f"{point}@+{lease_batch}"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -253,12 +254,14 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     counts = dict.fromkeys(JOIN_COUNTS, 0)
     stage, state = Path(t.stage), Path(t.state)
     name = f"{t.tag}-p{part:04d}.parquet"
-    # One row per click id: a due copy first, then the earliest seen.
+    # One row per click id: a due copy first, then the earliest seen; a copy the verifier re-dispatched lends the
+    # kept row its recovery time (the click's deadline runs from there, whichever copy is kept).
     rows = rows.append_column("_due", pc.less_equal(rows.column("due_us"), t.now))
     rows = rows.append_column("_i", pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     order = rows.sort_by([("click_id", "ascending"), ("_due", "descending"), ("first_seen_us", "ascending")])
-    first = order.group_by("click_id", use_threads=False).aggregate([("_i", "first")]).column("_i_first")
-    rows = rows.take(first)
+    kept = order.group_by("click_id", use_threads=False).aggregate([("_i", "first"), ("recovered_us", "max")])
+    rows = rows.take(kept.column("_i_first"))
+    rows = rows.set_column(rows.schema.get_field_index("recovered_us"), "recovered_us", kept.column("recovered_us_max"))
     due_mask = rows.column("_due").to_numpy(zero_copy_only=False)
     waiting = rows.filter(pa.array(~due_mask)).select(CANDIDATE.names)
     due = rows.filter(pa.array(due_mask)).select(CANDIDATE.names)
@@ -600,7 +603,7 @@ class Joiner:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
-        _maybe_crash("after_register", k)
+        _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
         metrics["queries"] = _parquet_rows(Path(t.stage) / "eventstore")
         metrics["quarantined"] = _parquet_rows(Path(t.stage) / QUARANTINE)
@@ -610,11 +613,11 @@ class Joiner:
 
         # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
-        _maybe_crash("before_commit", k)
+        _maybe_crash("before_commit", k, k - lease.last_batch)
         # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
         self.state.commit(lease, k, files, metrics)
-        _maybe_crash("after_commit", k)
+        _maybe_crash("after_commit", k, k - lease.last_batch)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
         self.retry_dir = self.state_dir / "retries" / t.tag

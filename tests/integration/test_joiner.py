@@ -180,7 +180,7 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
     would be missed. A recovered click's deadline runs from its recovery."""
     import pyarrow as pa
 
-    from photon.joiner import CANDIDATE, _Task, join_partition
+    from photon.joiner import CANDIDATE, join_partition
 
     now = int(time.time() * US)
     delay = 20 * US
@@ -197,7 +197,19 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
         },
         CANDIDATE,
     )
-    task = _Task(
+    task = partition_task(tmp_path, servers, now, delay)
+    counts, _ = join_partition(task, rows, 0)
+    assert counts["retried"] == 2 and counts["unjoinable"] == 0
+    waiting = pq.read_table(tmp_path / "state" / "retries" / task.tag).sort_by("click_ts_us")
+    # The first waits for its deadline (now + 10 s), not now + 16 s; the second, 600 s old but recovered 5 s ago,
+    # for its recovery's deadline (now + 15 s).
+    assert sorted(waiting["due_us"].to_pylist()) == [now + 10 * US, now + 15 * US]
+
+
+def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int) -> Any:
+    from photon.joiner import _Task
+
+    return _Task(
         dc="dc-a",
         tag="b0000000001-e1",
         now=now,
@@ -213,9 +225,29 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
         retry_max_s=16.0,
         adapter="photon.adapter:default_adapter",
     )
-    counts, _ = join_partition(task, rows, 0)
-    assert counts["retried"] == 2 and counts["unjoinable"] == 0
-    waiting = pq.read_table(tmp_path / "state" / "retries" / task.tag).sort_by("click_ts_us")
-    # The first waits for its deadline (now + 10 s), not now + 16 s; the second, 600 s old but recovered 5 s ago,
-    # for its recovery's deadline (now + 15 s).
-    assert sorted(waiting["due_us"].to_pylist()) == [now + 10 * US, now + 15 * US]
+
+
+def test_a_recovered_copy_lends_its_deadline_to_the_copy_kept(tmp_path: Path, servers: dict[str, str]) -> None:
+    """A click waits in the retry set, past its own deadline (its pipeline's lease had stopped), when the verifier
+    re-dispatches it: the two copies meet in one batch. Whichever is kept, its deadline runs from the recovery."""
+    import pyarrow as pa
+
+    from photon.joiner import CANDIDATE, join_partition
+
+    now = int(time.time() * US)
+    click, query = f"10.0.0.1-5-{now - 300 * US}", f"10.0.0.2-6-{now - 301 * US}"
+    rows = pa.table(
+        {
+            "click_id": [click, click],
+            "click_ts_us": [now - 300 * US, now - 300 * US],
+            "query_id": [query, query],
+            "ad_id": ["a1", "a1"],
+            "attempts": pa.array([3, 0], pa.int32()),
+            "first_seen_us": [now - 290 * US, now],  # the retry copy was seen first: it is the one kept
+            "due_us": [now - 1, now],
+            "recovered_us": pa.array([None, now], pa.int64()),
+        },
+        CANDIDATE,
+    )
+    counts, _ = join_partition(partition_task(tmp_path, servers, now, 20 * US), rows, 0)
+    assert counts["unjoinable"] == 0 and counts["retried"] == 1
