@@ -38,6 +38,7 @@ A pass (:func:`verify_and_recover`), in order:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -218,11 +219,14 @@ def verify_and_recover(
     if not out.is_dir():
         raise EvidenceMissingError(f"output folder {out} does not exist: check --out; nothing was changed")
     report = VerifyReport(dry_run=dry_run)
-    # 1. The lock, held on this connection for the whole pass.
+    dcs = _data_centers(logs)
+    # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.
     with autocommit(servers[MAIN], application_name="photon-verify") as lock, lock.cursor() as lcur:
         lcur.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
         if not lcur.fetchone()[0]:
             raise VerifierBusyError("another verifier pass is running (advisory lock held); nothing was changed")
+        if not dry_run:
+            _publish_leftover_intents(servers, logs, dcs)
         # 2. State and registry rows.
         state = _read_state(lcur)
         rows = _tokened_rows(servers)
@@ -231,18 +235,30 @@ def verify_and_recover(
         names = [state.owners.get(o, "") for o in rows["owner"].to_pylist()]
         rows = rows.append_column("pipeline", pa.array(names, pa.string()))
         judged_names = sorted({n for n in names if n in state.pipes})
-        # 3. Evidence: every judged pipeline's folder.
+        # 3. Evidence, before anything changes: every judged pipeline's folder, the files of every published batch
+        # with rows to judge, the staged files of every batch to roll forward.
         folders = {name: _pipeline_folder(out, name) for name in judged_names}
+        for name, batch in sorted(set(zip(names, rows["batch"].to_pylist(), strict=True))):
+            b = state.batches.get((name, batch))
+            if name in folders and b is not None and b.published:
+                _batch_keys(folders[name], name, batch, b)
+        lcur.execute(
+            "SELECT pipeline, batch_seq FROM photon.batches WHERE NOT published"
+            " AND committed_at < now() - make_interval(secs => %s) ORDER BY 1, 2",
+            (grace_s,),
+        )
+        to_roll = [(str(n), int(b)) for n, b in lcur.fetchall()]
+        for name, batch in to_roll:
+            folders.setdefault(name, _pipeline_folder(out, name))
+            _check_staged(folders[name], name, batch, state.batches[(name, batch)])
         # 4. Fence the gone pipelines that hold rows in flight.
         for name in judged_names:
             pipe = state.pipes[name]
             mine = rows.filter(pc.equal(rows["owner"], pipe.owner_id))
-            uncommitted = [
-                b
-                for b in set(mine["batch"].to_pylist())
-                if state.batches.get((name, b), _NONE).owner_id != pipe.owner_id
-            ]
-            if not uncommitted or pipe.idle_s <= grace_s:
+            batches = set(mine["batch"].to_pylist())
+            if pipe.idle_s <= grace_s or all(
+                state.batches.get((name, b), _NONE).owner_id == pipe.owner_id for b in batches
+            ):
                 continue
             if dry_run:
                 report.fenced.append(name)
@@ -250,26 +266,17 @@ def verify_and_recover(
             (report.fenced if _fence(lcur, pipe, grace_s) else report.not_fenced).append(name)
         step("fenced")
         # 5. Roll forward committed, unpublished batches older than the grace period.
-        lcur.execute(
-            "SELECT pipeline, batch_seq, epoch FROM photon.batches WHERE NOT published"
-            " AND committed_at < now() - make_interval(secs => %s) ORDER BY 1, 2",
-            (grace_s,),
-        )
-        for name, seq, epoch in lcur.fetchall():
-            folder = _pipeline_folder(out, str(name))
+        for name, batch in to_roll:
+            rolled = state.batches[(name, batch)]
             if not dry_run:
-                publish_files(folder, batch_tag(int(seq), int(epoch)))
-            report.rolled_forward.append(f"{name}/{seq}")
+                publish_files(folders[name], batch_tag(batch, rolled.epoch))
+                _batch_keys(folders[name], name, batch, rolled)  # all of it is in place now
+                lcur.execute(
+                    "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
+                )
+            report.rolled_forward.append(f"{name}/{batch}")
         # 6. Committed batches again, after the fences and the roll-forward.
         state = _read_state(lcur)
-        for item in [] if dry_run else report.rolled_forward:
-            name, seq = item.rsplit("/", 1)
-            rolled = state.batches[(name, int(seq))]
-            _batch_keys(folders.get(name) or _pipeline_folder(out, name), name, int(seq), rolled)  # checked, or stop
-            lcur.execute(
-                "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, int(seq))
-            )
-            state.batches[(name, int(seq))] = _Batch(rolled.owner_id, rolled.epoch, True, rolled.joined)
         step("rolled_forward")
         # 7. Judge.
         committed_parts, lost_parts = [], []
@@ -296,26 +303,46 @@ def verify_and_recover(
         report.in_flight = report.checked - report.committed - report.lost
         if dry_run:
             return report
-        # 8. Recover: intents in every data center, deletes, then publication of every intent.
-        dcs = _data_centers(logs)
+        # 8. Recover: intents (the clicks, and their queries) in every data center; the deletes; then this pass's
+        # intents published, queries first.
         if lost.num_rows:
-            lines = _find_lines(lost, logs, [data_center_of(out, n) for n in judged_names] + dcs)
+            order = [data_center_of(out, n) for n in judged_names] + dcs
+            lines = _find_lines(lost, logs, order)
             found = np.array([format_id(t, s) in lines for t, s in zip(*_ts_src(lost), strict=True)], dtype=bool)
             report.not_in_logs = int(np.count_nonzero(~found))
             if found.any():
-                name = f"{RECOVERED_PREFIX}{int(time.time() * US)}.jsonl"
-                written = _write_intents(logs, dcs, name, b"".join(lines[k] for k in sorted(lines)))
-                if not written:
-                    raise VerifyError(f"could not write recovered clicks into any data center's logs under {logs}")
+                queries = _find_query_lines(lines.values(), logs, order)
+                stamp = f"{RECOVERED_PREFIX}{int(time.time() * US)}.jsonl"
+                intents = _write_intents(logs, dcs, "queries", stamp, b"".join(queries[k] for k in sorted(queries)))
+                intents += _write_intents(logs, dcs, "clicks", stamp, b"".join(lines[k] for k in sorted(lines)))
+                lcur.execute("SELECT 1")  # the session, and so the lock, is still ours
                 _delete(servers, lost.filter(pa.array(found)))
                 report.recovered = int(np.count_nonzero(found))
-                report.redispatched_files += [str(p.with_suffix("")) for p in written]
-        _publish_intents(logs, dcs)
+                for path in intents:  # queries' intents come first: a recovered click finds its query
+                    with contextlib.suppress(FileNotFoundError):  # a query intent another pass published already
+                        os.replace(path, path.with_suffix(""))
+                    _fsync_dir(path.parent)
+                report.redispatched_files += [str(p.with_suffix("")) for p in intents if p.parent.name == "clicks"]
         step("recovered")
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
         lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
     return report
+
+
+def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
+    """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already moved (by a
+    joiner that died while publishing), must be the rows it committed."""
+    tag = batch_tag(batch, b.epoch)
+    files = list((folder / "_staging" / tag / JOINED).glob("*.parquet")) + list(
+        (folder / JOINED).glob(f"{tag}-*.parquet")
+    )
+    found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if b.joined is None or found != b.joined:
+        raise EvidenceMissingError(
+            f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
+            f"{folder} holds {found} of them (staged or published): its output is missing; nothing was changed"
+        )
 
 
 _NONE = _Batch(0, 0, False, None)
@@ -351,15 +378,19 @@ def _data_centers(logs: Path) -> list[str]:
 
 
 def _find_lines(lost: pa.Table, logs: Path, dcs: list[str]) -> dict[str, bytes]:
-    """The lost clicks' lines, searched in the given data centers' click logs in order. An id names the server
+    """The lost clicks' lines, searched in the given data centers' click logs in order."""
+    return _scan(logs, dcs, "clicks", "click_id", {format_id(t, s) for t, s in zip(*_ts_src(lost), strict=True)})
+
+
+def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> dict[str, bytes]:
+    """Lines of ``kind`` whose ``key`` is wanted, from the data centers' logs in order. An id names the server
     process that logged it, and so does a log file's name (``<ipv4>-<pid>-<seq>.jsonl``, ``EVENTS.md``): only that
     process's files, and earlier recoveries, are read."""
-    wanted = {format_id(t, s) for t, s in zip(*_ts_src(lost), strict=True)}
     prefixes = (*{w.rsplit("-", 1)[0] + "-" for w in wanted}, RECOVERED_PREFIX)
     lines: dict[str, bytes] = {}
     for dc in dict.fromkeys(dcs):
-        folder = logs / dc / "clicks"
-        if not folder.is_dir():
+        folder = logs / dc / kind
+        if not wanted or not folder.is_dir():
             continue
         for name in sorted(os.listdir(folder)):
             if not name.endswith(".jsonl") or not name.startswith(prefixes):
@@ -368,10 +399,10 @@ def _find_lines(lost: pa.Table, logs: Path, dcs: list[str]) -> dict[str, bytes]:
                 content = (folder / name).read_bytes()
             except FileNotFoundError:
                 continue
-            good, _ = parse_file(name, content, "clicks")
-            hit = good.filter(pc.is_in(good["click_id"], pa.array(sorted(wanted - lines.keys()), pa.string())))
+            good, _ = parse_file(name, content, kind)
+            hit = good.filter(pc.is_in(good[key], pa.array(sorted(wanted - lines.keys()), pa.string())))
             for row in hit.to_pylist():
-                lines.setdefault(row["click_id"], json.dumps(row, separators=(",", ":")).encode() + b"\n")
+                lines.setdefault(row[key], json.dumps(row, separators=(",", ":")).encode() + b"\n")
             if len(lines) == len(wanted):
                 return lines
     return lines
@@ -385,34 +416,61 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_intents(logs: Path, dcs: list[str], name: str, content: bytes) -> list[Path]:
-    """Write ``<name>.inprogress`` into each data center's click folder, synced with its folder; readers skip it
-    until it is renamed. Returns the intents written (a data center whose folder cannot be written is skipped)."""
+def _write_intents(logs: Path, dcs: list[str], kind: str, name: str, content: bytes) -> list[Path]:
+    """Write ``<name>.inprogress`` into each data center's ``kind`` folder, synced with the folder; readers skip it
+    until it is renamed. Every data center's folder must take it, or the pass stops before deleting anything."""
+    if not content:
+        return []
     written = []
     for dc in dcs:
-        folder = logs / dc / "clicks"
+        folder = logs / dc / kind
         path = folder / f"{name}.inprogress"
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as fh:
                 fh.write(content)
                 fh.flush()
                 os.fsync(fh.fileno())
             _fsync_dir(folder)
-        except OSError:
-            continue
+        except OSError as exc:
+            raise VerifyError(
+                f"cannot write recovered {kind} into {folder} ({exc}); no registry row was deleted"
+            ) from exc
         written.append(path)
     return written
 
 
-def _publish_intents(logs: Path, dcs: list[str]) -> None:
-    """Rename every recovery intent to its closed name, this pass's and any a crashed pass left."""
-    for dc in dcs:
-        folder = logs / dc / "clicks"
-        intents = [n for n in os.listdir(folder) if n.startswith(RECOVERED_PREFIX) and n.endswith(".jsonl.inprogress")]
-        for n in intents:
-            os.replace(folder / n, folder / n.removesuffix(".inprogress"))
-        if intents:
-            _fsync_dir(folder)
+def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[str]) -> None:
+    """Rename the intents a pass that died (or lost its lock) left behind, where that is safe: a query intent
+    always; a click intent once none of its clicks is held by a token (a click made readable while a row that may
+    still be deleted holds it would be dropped by the pre-filter and then lost). The rest wait for a later pass."""
+    from photon.registry import IdRegistry
+
+    for kind in ("queries", "clicks"):
+        for dc in dcs:
+            folder = logs / dc / kind
+            for n in sorted(os.listdir(folder)) if folder.is_dir() else []:
+                if not (n.startswith(RECOVERED_PREFIX) and n.endswith(".jsonl.inprogress")):
+                    continue
+                if kind == "clicks":
+                    good, _ = parse_file(n, (folder / n).read_bytes(), "clicks")
+                    with IdRegistry(servers) as reg:
+                        if good.num_rows and bool((reg.lookup(good["click_id"]).tokens != 0).any()):
+                            continue
+                os.replace(folder / n, folder / n.removesuffix(".inprogress"))
+                _fsync_dir(folder)
+
+
+def _find_query_lines(click_lines: Any, logs: Path, dcs: list[str]) -> dict[str, bytes]:
+    """The query lines of the recovered clicks, from any data center's query logs (the process that logged a query
+    names its files, as for clicks): re-dispatched with them, so a surviving replica that lags behind the lost one
+    still joins them."""
+    wanted: set[str] = set()
+    for line in click_lines:
+        qid = json.loads(line).get("query_id")
+        if isinstance(qid, str):
+            wanted.add(qid)
+    return _scan(logs, dcs, "queries", "query_id", wanted)
 
 
 def _by_shard(t: pa.Table) -> dict[tuple[str, int, int], pa.Table]:

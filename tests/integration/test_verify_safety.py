@@ -67,7 +67,7 @@ def tokened(dsn: str) -> int:
 
 
 def recovered_files(logs: Path) -> list[Path]:
-    return sorted(logs.glob("*/clicks/recovered-*"))
+    return sorted(logs.glob("*/clicks/recovered-*.jsonl"))  # closed: readable by the joiners
 
 
 def click_ids(logs: Path, dc: str, names: list[str]) -> list[str]:
@@ -258,3 +258,147 @@ def test_an_idle_live_joiner_heartbeats_and_is_not_fenced(tmp_path: Path, roles:
     thread.join()
     assert report.fenced == [] and report.in_flight == 5 and report.lost == 0
     assert tokened(roles.owner) == 5
+
+
+# -- found by a second pair of eyes (an adversarial review of the first version) ---------------------------------------
+
+
+def strand_batch_2(logs: Path, out: Path, roles: Roles, spark: Any) -> list[str]:
+    """dc-a commits batch 1, registers batch 2 (as its executors do) and dies; returns batch 2's click ids."""
+    a = Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS)
+    a.run(max_batches=1)
+    _, c_files = a._new_files()
+    assert a.lease is not None and c_files
+    stranded = click_ids(logs, "dc-a", c_files)
+    with IdRegistry(roles.joiner) as reg:
+        reg.register(stranded, a.lease.token(2))
+    return stranded
+
+
+def pipeline_row(dsn: str, name: str) -> tuple[Any, ...]:
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT epoch, owner_id FROM photon.pipelines WHERE pipeline = %s", (name,))
+        return tuple(cur.fetchone())
+
+
+def test_a_pass_that_lost_its_lock_never_publishes_another_pass_s_intent_early(
+    tmp_path: Path, roles: Roles, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V1's lock session is cut (a backend restart, a pooler) and V1 does not notice; V2 takes the lock, fences dc-a,
+    writes its intent and is about to delete. If V1 made V2's intent readable now, dc-b's pre-filter would drop the
+    clicks (still held by dc-a's retired owner) and V2's delete would leave them nowhere: lost for good. (The
+    adversary's reproduction lost 35 of 35 on 4130384.)"""
+    logs = make_logs(tmp_path / "logs", ("dc-a", "dc-b"))
+    out = tmp_path / "out"
+    stranded = strand_batch_2(logs, out, roles, spark)
+    Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+    time.sleep(1.0)
+    v2_wrote, v1_done = threading.Event(), threading.Event()
+    original_leftovers, original_delete = photon.verify._publish_leftover_intents, photon.verify._delete
+
+    def leftovers(*args: Any) -> None:
+        if threading.current_thread().name == "V1":
+            with autocommit(roles.owner) as conn, conn.cursor() as cur:  # V1's lock session dies
+                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+            v2.start()
+            assert v2_wrote.wait(120)
+        original_leftovers(*args)
+
+    def delete(*args: Any) -> None:
+        if threading.current_thread().name == "V2":
+            v2_wrote.set()
+            assert v1_done.wait(120)
+            assert not recovered_files(logs), "another pass's intent became readable before its delete"
+        original_delete(*args)
+
+    monkeypatch.setattr(photon.verify, "_publish_leftover_intents", leftovers)
+    monkeypatch.setattr(photon.verify, "_delete", delete)
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+        except BaseException as exc:  # V1 finds its session gone
+            errors[name] = exc
+        finally:
+            if name == "V1":
+                v1_done.set()
+
+    v1, v2 = (threading.Thread(target=run, args=(n,), name=n) for n in ("V1", "V2"))
+    v1.start()
+    v1.join(180)
+    v2.join(180)
+    assert "V2" not in errors, errors
+    monkeypatch.undo()
+    report = drain_and_audit(roles, logs, out, spark, ("dc-b",))
+    assert report.duplicate_clicks == 0 and report.ok, report.failures()
+    assert set(stranded) <= set(joined_ids_of(out))
+
+
+def joined_ids_of(out: Path) -> list[str]:
+    return [c for p in sorted(out.glob("*/joined/*.parquet")) for c in pq.read_table(p)["click_id"].to_pylist()]
+
+
+def test_missing_evidence_is_found_before_the_fence(tmp_path: Path, roles: Roles, spark: Any) -> None:
+    """dc-a is gone with rows in flight, and one of dc-b's published files is missing: the verifier stops before it
+    fences anything (it said "nothing was changed" and fenced dc-a first)."""
+    logs = make_logs(tmp_path / "logs", ("dc-a", "dc-b"))
+    out = tmp_path / "out"
+    strand_batch_2(logs, out, roles, spark)
+    Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(max_batches=4)  # tokens not cleared yet
+    sorted((out / "dc-b" / "joined").glob("*.parquet"))[0].unlink()
+    time.sleep(1.0)
+    before = pipeline_row(roles.owner, "dc-a")
+    with pytest.raises(EvidenceMissingError, match="nothing was changed"):
+        verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    assert pipeline_row(roles.owner, "dc-a") == before
+
+
+def test_a_lagging_survivor_joins_recovered_clicks_with_their_recovered_queries(
+    tmp_path: Path, roles: Roles, spark: Any
+) -> None:
+    """dc-a joined its clicks' queries in time and is gone; dc-b's query replica lags far behind (its query files
+    are not there yet). The verifier re-dispatches the stranded clicks with their queries, so dc-b joins them at once
+    instead of giving up on them after the maximum join delay."""
+    logs = make_logs(tmp_path / "logs", ("dc-a", "dc-b"))
+    out = tmp_path / "out"
+    held = tmp_path / "held"
+    (logs / "dc-b" / "queries").rename(held)  # dc-b's query replica has received nothing yet
+    (logs / "dc-b" / "queries").mkdir()
+    stranded = strand_batch_2(logs, out, roles, spark)
+    quick = JoinSettings(max_click_files=4, trigger_interval_s=0.1, heartbeat_s=0.2, max_join_delay_s=3.0)
+    time.sleep(1.0)
+    report = verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
+    assert report.fenced == ["dc-a"] and report.recovered == len(stranded)
+    Joiner("dc-b", logs, out, roles.joiner, spark, quick).run(until_caught_up=True, drain=True)
+    joined = joined_ids_of(out)
+    assert sorted(c for c in joined if c in set(stranded)) == sorted(set(stranded))
+    assert len(joined) == len(set(joined))
+
+
+def test_a_joiner_login_cannot_forge_a_commit_or_share_an_owner(tmp_path: Path, roles: Roles) -> None:
+    """The triggers of 0005 guard UPDATEs; INSERTs must follow from a commit too. (A forged published batch made the
+    verifier recover a live lease's in-flight clicks and blocked its real commit forever; a pipeline sharing an
+    owner would share its tokens.)"""
+    from photon.pipeline_state import PipelineState
+
+    state = PipelineState(roles.joiner["main"], "dc-a")
+    lease = state.start_lease()
+    forged = [
+        (
+            "INSERT INTO photon.batches (pipeline, batch_seq, epoch, owner_id, published) VALUES ('dc-a', 1, %s, %s,"
+            " true)",
+            (lease.epoch, lease.owner_id),
+        ),
+        (
+            "INSERT INTO photon.batches (pipeline, batch_seq, epoch, owner_id) VALUES ('dc-a', 1, %s, %s)",
+            (lease.epoch, lease.owner_id),
+        ),
+        ("INSERT INTO photon.consumed_files VALUES ('dc-a', 'clicks', 'x.jsonl', 1)", ()),
+        ("INSERT INTO photon.pipelines (pipeline, owner_id) VALUES ('evil', %s)", (lease.owner_id,)),
+        ("INSERT INTO photon.pipelines (pipeline, owner_id, epoch) VALUES ('dc-z', %s, 7)", (lease.owner_id,)),
+    ]
+    for statement, args in forged:
+        with autocommit(roles.joiner["main"]) as conn, conn.cursor() as cur, pytest.raises(psycopg2.Error):
+            cur.execute(statement, args)
+    assert state.commit(lease, 1, [("clicks", "x.jsonl")], None)  # the real commit goes through
