@@ -1,0 +1,31 @@
+"""The nemesis, one short seed in every test run (``make chaos`` runs long ones): live logs for two data centers, a
+seeded schedule of every fault kind (joiner SIGKILLs, the registry's PostgreSQL stopped hard, verify beside the
+live joiners and killed mid-pass, a replica outage, a data center lost for good mid-batch). The checker reads files
+only: no duplicate at any check while it runs; at the end every click has exactly one outcome and every click that
+must be joined is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.nemesis.run import Nemesis, plan
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_short_seed_of_every_fault_kind(tmp_path: Path, spark: Any) -> None:
+    p = plan(seed=11, seconds=75)
+    outcome = Nemesis(p, tmp_path, spark=spark).run()
+    summary = outcome.to_dict()
+    assert outcome.ok, summary
+    assert outcome.duplicate_checks >= 10 and not outcome.duplicates_seen
+    for kind in ("kill", "pg_restart", "verify", "lose_dc", "outage"):
+        assert outcome.faults[kind] >= 1, (kind, summary)
+    v = outcome.verify
+    # The lost data center's last lease died mid-batch: its clicks were recovered or its batch rolled forward.
+    handed_over = v["live_recovered"] + v["final_recovered"] + v["live_rolled_forward"] + v["final_rolled_forward"]
+    assert handed_over > 0, summary
+    assert outcome.verdict["must_join"] > 1000 and outcome.verdict["last_verify_lost"] == 0
