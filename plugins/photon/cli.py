@@ -167,6 +167,28 @@ def registry_reshard(
     raise typer.Exit(0 if report.state == "active" else 1)
 
 
+@registry_app.command("reshard-resume")
+def registry_reshard_resume(
+    version: Annotated[int, typer.Argument(help="The shard configuration a reshard left part-way.")],
+    abort: Annotated[bool, typer.Option("--abort", help="Abort the plan instead (never an active one).")] = False,
+    grace: Annotated[float, typer.Option(help="A pipeline that committed within this many seconds is live.")] = 60.0,
+) -> None:
+    """Finish a reshard that stopped part-way (a crash, a lost connection): a planned configuration is activated if
+    every live joiner acknowledged it and its deadline allows, else aborted; an active one is enforced on every
+    server; an aborted one is removed everywhere. Exit status 1 if it ends aborted."""
+    from photon.reshard import abort as abort_plan
+    from photon.reshard import resume
+
+    servers = servers_from_settings()
+    if abort:
+        abort_plan(servers, version)
+        state = "aborted"
+    else:
+        state = resume(servers, version, grace_s=grace)
+    console.print(f"shard configuration v{version}: {state}")
+    raise typer.Exit(0 if state == "active" else 1)
+
+
 def _parse_time(text: str) -> int:
     """Epoch microseconds from an ISO-8601 time (UTC if no zone) or epoch seconds."""
     from datetime import UTC, datetime

@@ -41,3 +41,28 @@ def test_unknown_placement_server_is_a_clear_error(make_db: Callable[[], str], m
     result = CliRunner().invoke(app, ["registry", "init", "--place", "main,pg9"])
     assert result.exit_code != 0
     assert "pg9" in str(result.exception)
+
+
+def test_a_reshard_left_part_way_is_finished_from_the_command_line(
+    make_db: Callable[[], str], login_as: Callable[[str, str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reshard that crashed after planning: `reshard-resume V` activates it (no live joiner to wait for) or,
+    with --abort, removes it; an active configuration is never aborted. Run as the reshard role's login."""
+    from photon.registry_admin import init_registry
+    from photon.reshard import plan
+
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=2)
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", login_as(dsn, "photon_reshard"))
+    runner = CliRunner()
+    v2 = plan({"main": dsn}, num_shards=4, lead_s=120).version
+    resumed = runner.invoke(app, ["registry", "reshard-resume", str(v2)])
+    assert resumed.exit_code == 0 and f"v{v2}: active" in resumed.output, resumed.output
+    refused = runner.invoke(app, ["registry", "reshard-resume", str(v2), "--abort"])
+    assert refused.exit_code != 0  # active: never aborted
+    v3 = plan({"main": dsn}, num_shards=8, lead_s=120).version
+    aborted = runner.invoke(app, ["registry", "reshard-resume", str(v3), "--abort"])
+    assert aborted.exit_code == 1 and f"v{v3}: aborted" in aborted.output, aborted.output
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", dsn)  # status reads every table: the owner's view
+    status = json.loads(runner.invoke(app, ["registry", "status", "--json"]).output)
+    assert [(c["version"], c["state"]) for c in status["configs"]] == [(1, "active"), (v2, "active"), (v3, "aborted")]
