@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def servers(make_db: Callable[[], str]) -> dict[str, str]:
+def servers(make_db: Callable[[], str], login_as: Callable[[str, str], str]) -> dict[str, str]:
+    """A fresh registry, reached as the joiner runs in production: a login holding only photon_joiner."""
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=4)
-    return {"main": dsn}
+    return {"main": login_as(dsn, "photon_joiner")}
 
 
 def make_logs(root: Path, seconds: float = 20, rate: float = 600, **overrides: Any) -> Path:

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def state(make_db: Callable[[], str]) -> PipelineState:
+def state(make_db: Callable[[], str], login_as: Callable[[str, str], str]) -> PipelineState:
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=1)
-    return PipelineState(dsn, "dc-a")
+    return PipelineState(login_as(dsn, "photon_joiner"), "dc-a")  # as a joiner runs: never the owner
 
 
 def test_a_zombie_lease_can_never_commit_after_its_successor_started(state: PipelineState) -> None:

@@ -28,17 +28,20 @@ def joined_ids(out: Path) -> list[str]:
     return [cid for p in sorted(out.glob("*/joined/*.parquet")) for cid in pq.read_table(p)["click_id"].to_pylist()]
 
 
-def test_killed_joiner_losses_are_found_and_recovered(tmp_path: Path, make_db: Callable[[], str]) -> None:
+def test_killed_joiner_losses_are_found_and_recovered(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
     import time
 
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=4)
-    servers = {"main": dsn}
+    servers = {"main": login_as(dsn, "photon_verifier")}  # each component as its own login, never the owner
     logs, out = tmp_path / "logs", tmp_path / "out"
     start = (int(time.time()) - 600) * US
     settings = GeneratorSettings(events_per_s=600, dcs=("dc-a",), malformed_fraction=0.0, late_click_fraction=0.0)
     generate(settings, logs, start_us=start, end_us=start + 12 * US)
-    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    joiner = login_as(dsn, "photon_joiner")
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": joiner, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     env["PHOTON_TEST_MAX_CLICK_FILES"] = "4"
     cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
     cmd += ["--until-caught-up", "--drain", "--trigger-interval", "0.1", "--master", "local[2]"]
