@@ -186,17 +186,24 @@ def _pipeline_folder(out: Path, pipeline: str) -> Path:
     return folder
 
 
-def _batch_keys(folder: Path, pipeline: str, batch: int, b: _Batch) -> pa.Table:
-    """(ts_us, src) of the clicks batch ``batch`` wrote to joined/, read from its own files (named by its tag), after
-    checking that they hold the rows the batch committed."""
+def _batch_files(folder: Path, pipeline: str, batch: int, b: _Batch, *, changed: bool = False) -> list[Path]:
+    """The files batch ``batch`` wrote to joined/ (named by its tag), checked to hold the rows the batch committed
+    (their footers only). ``changed``: the pass already fenced or rolled forward, so the error says what it did not
+    do rather than "nothing"."""
     tag = batch_tag(batch, b.epoch)
     files = sorted((folder / JOINED).glob(f"{tag}-*.parquet")) if (folder / JOINED).is_dir() else []
     found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {pipeline!r} committed {b.joined} joined rows, but {folder / JOINED} holds "
-            f"{found} in files {tag}-*.parquet: its output is missing or altered; nothing was changed"
+            f"{found} in files {tag}-*.parquet: its output is missing or altered; "
+            + ("no registry row was deleted or cleared" if changed else "nothing was changed")
         )
+    return files
+
+
+def _keys(files: list[Path]) -> pa.Table:
+    """(ts_us, src) of the clicks in joined files."""
     if not files:
         return pa.table({"ts_us": pa.array([], pa.int64()), "src": pa.array([], pa.int64())})
     ids = ds.dataset(files, format="parquet", schema=JOINED_SCHEMA).to_table(columns=["click_id"])["click_id"]
@@ -241,7 +248,7 @@ def verify_and_recover(
         for name, batch in sorted(set(zip(names, rows["batch"].to_pylist(), strict=True))):
             b = state.batches.get((name, batch))
             if name in folders and b is not None and b.published:
-                _batch_keys(folders[name], name, batch, b)
+                _batch_files(folders[name], name, batch, b)
         lcur.execute(
             "SELECT pipeline, batch_seq FROM photon.batches WHERE NOT published"
             " AND committed_at < now() - make_interval(secs => %s) ORDER BY 1, 2",
@@ -270,7 +277,7 @@ def verify_and_recover(
             rolled = state.batches[(name, batch)]
             if not dry_run:
                 publish_files(folders[name], batch_tag(batch, rolled.epoch))
-                _batch_keys(folders[name], name, batch, rolled)  # all of it is in place now
+                _batch_files(folders[name], name, batch, rolled, changed=True)  # all of it is in place now
                 lcur.execute(
                     "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
                 )
@@ -288,7 +295,7 @@ def verify_and_recover(
                 if b is not None and b.owner_id == owner:
                     if not b.published:
                         continue  # committed, being published by its lease (or rolled forward after the grace)
-                    keys = _batch_keys(folders[name], name, batch, b)
+                    keys = _keys(_batch_files(folders[name], name, batch, b, changed=True))
                     done.append(group.join(keys, ["ts_us", "src"], join_type="left semi"))
                     gone.append(group.join(keys, ["ts_us", "src"], join_type="left anti"))
                 elif owner in state.retired:
