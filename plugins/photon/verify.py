@@ -179,7 +179,7 @@ def _pipeline_folder(out: Path, pipeline: str) -> Path:
     folder = out / pipeline
     if not (folder / "_pipeline.json").is_file():
         raise EvidenceMissingError(
-            f"pipeline {pipeline!r} has registry rows to judge, but {folder} is not its output folder (no "
+            f"pipeline {pipeline!r} has registry rows or a batch to judge, but {folder} is not its output folder (no "
             "_pipeline.json there): check --out (every pipeline's folder must be under it, mounted); nothing was "
             "changed"
         )
@@ -223,8 +223,6 @@ def verify_and_recover(
     """One verification pass (the numbered steps of the module's doc). ``on_step(name)`` is called between steps,
     for tests that interleave other processes with a pass."""
     step = on_step or (lambda _name: None)
-    if not out.is_dir():
-        raise EvidenceMissingError(f"output folder {out} does not exist: check --out; nothing was changed")
     report = VerifyReport(dry_run=dry_run)
     dcs = _data_centers(logs)
     # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.

@@ -182,6 +182,8 @@ def test_the_surviving_data_center_finishes_the_work_of_a_lost_one(
 def test_missing_output_stops_the_verifier_and_changes_nothing(tmp_path: Path, roles: Roles, spark: Any) -> None:
     logs = make_logs(tmp_path / "logs", ("dc-a",))
     out = tmp_path / "out"
+    # Nothing registered yet (a fresh deployment, no output folder): nothing to judge, nothing missing.
+    assert verify_and_recover(roles.verifier, out, logs, grace_s=0.0).checked == 0
     Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
     held = tokened(roles.owner)
     assert held > 0
