@@ -22,7 +22,7 @@ def test_a_short_seed_of_every_fault_kind(tmp_path: Path, spark: Any) -> None:
     summary = outcome.to_dict()
     assert outcome.ok, summary
     assert outcome.duplicate_checks >= 10 and not outcome.duplicates_seen
-    for kind in ("kill", "pg_restart", "verify", "lose_dc", "outage"):
+    for kind in ("kill", "pg_restart", "verify", "lose_dc", "lost_mid_batch", "outage"):
         assert outcome.faults[kind] >= 1, (kind, summary)
     v = outcome.verify
     # The lost data center's last lease died mid-batch: its clicks were recovered or its batch rolled forward.

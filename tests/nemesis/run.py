@@ -159,6 +159,7 @@ class Nemesis:
         self.first_batch_at: dict[str, float | None] = dict.fromkeys(DCS)
         self.lease_log: dict[str, Path] = {}
         self.lost: set[str] = set()
+        self.dying: dict[str, str] = {}  # a lost data center's last lease, until it dies at its crash point
         self.verifier: subprocess.Popen[bytes] | None = None
         self.verifier_kill_at: float | None = None
         self.pg_up_at: float | None = None
@@ -263,8 +264,8 @@ class Nemesis:
             # that will never commit them) or after committing (a batch that will never be published by it).
             self.lost.add(f.target)
             self._kill(self.joiners[f.target])
-            point = "after_commit" if f.arg else "after_register"
-            self.joiners[f.target] = self._lease(f.target, crash_at=f"{point}@+2")
+            self.dying[f.target] = "after_commit@+2" if f.arg else "after_register@+2"
+            self.joiners[f.target] = self._lease(f.target, crash_at=self.dying[f.target])
             self.outcome.faults["lose_dc"] += 1
         elif f.kind == "kill" and f.target not in self.lost:
             self.kill_pending[f.target] = self.rng.uniform(0.0, 6.0)
@@ -274,6 +275,18 @@ class Nemesis:
             self.outcome.faults["pg_restart"] += 1
         elif f.kind == "verify":
             self._verify(f.arg, now)
+
+    def _last_lease(self, dc: str, proc: subprocess.Popen[bytes] | None) -> None:
+        """A lost data center's last lease must die at its crash point, mid-batch: one that failed before it got
+        there (the registry was down as it started) is retried, as Airflow would; once it died there, nothing more."""
+        if dc not in self.dying or proc is None or proc.poll() is None:
+            return
+        self.outcome.joiner_exits[f"{dc}:{proc.returncode}"] += 1
+        if proc.returncode == -signal.SIGKILL:
+            del self.dying[dc]
+            self.outcome.faults["lost_mid_batch"] += 1
+        else:
+            self.joiners[dc] = self._lease(dc, crash_at=self.dying[dc])
 
     def _check(self) -> None:
         dups = checker.duplicates(self.out)
@@ -306,6 +319,7 @@ class Nemesis:
             for dc in DCS:
                 proc = self.joiners[dc]
                 if dc in self.lost:
+                    self._last_lease(dc, proc)
                     continue
                 if proc is not None and proc.poll() is not None:
                     self.outcome.joiner_exits[f"{dc}:{proc.returncode}"] += 1
