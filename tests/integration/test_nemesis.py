@@ -24,8 +24,7 @@ def test_a_short_seed_of_every_fault_kind(tmp_path: Path, spark: Any) -> None:
     assert outcome.duplicate_checks >= 10 and not outcome.duplicates_seen
     for kind in ("kill", "pg_restart", "verify", "lose_dc", "lost_mid_batch", "outage"):
         assert outcome.faults[kind] >= 1, (kind, summary)
-    v = outcome.verify
-    # The lost data center's last lease died mid-batch: its clicks were recovered or its batch rolled forward.
-    handed_over = v["live_recovered"] + v["final_recovered"] + v["live_rolled_forward"] + v["final_rolled_forward"]
-    assert handed_over > 0, summary
+    # The lost data center's last lease died mid-batch ("lost_mid_batch" above): whatever it held (registrations the
+    # other one may have won first, or a committed batch) was recovered or rolled forward, or the checker's verdict
+    # would show the clicks missing. The deterministic hand-over tests are in test_verify_safety.py.
     assert outcome.verdict["must_join"] > 1000 and outcome.verdict["last_verify_lost"] == 0
