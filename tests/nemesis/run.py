@@ -390,6 +390,11 @@ class Nemesis:
             self.outcome.verify["final_recovered"] += r["recovered"]
             self.outcome.verify["final_rolled_forward"] += len(r["rolled_forward"])
             self.outcome.verify["final_checked"] += r["checked"]
+        # Passes killed mid-way report nothing: count what reached the logs instead (one replica's copy).
+        survivor = sorted(set(DCS) - self.lost)[0]
+        self.outcome.verify["recovered_lines_in_logs"] = sum(
+            len(p.read_bytes().splitlines()) for p in (self.logs / survivor / "clicks").glob("recovered-*.jsonl")
+        )
         last = reports[-1]
         verdict = checker.final(
             self.logs, self.out, lost=sorted(self.lost), max_join_delay_s=MAX_JOIN_DELAY_S, margin_s=MARGIN_S
