@@ -363,6 +363,7 @@ def join_cmd(
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
     from photon.joiner import Joiner, JoinSettings
+    from photon.registry import read_layout
     from photon.spark_session import get_spark
 
     if run_for is None and not until_caught_up:
@@ -379,8 +380,10 @@ def join_cmd(
     )
     if (settings.window_start_us is None) != (settings.window_end_us is None):
         raise ValueError("give both --window-start and --window-end, or neither")
+    servers = servers_from_settings()
+    read_layout(servers["main"])  # an uninitialised or unreachable registry: one clear line, before Spark starts
     spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
-    joiner = Joiner(dc, logs, out, servers_from_settings(), spark, settings, pipeline=pipeline)
+    joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
     lease = joiner.start()
     console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch}")
 

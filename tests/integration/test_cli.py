@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +15,7 @@ from typer.testing import CliRunner
 from photon.cli import app
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_init_is_idempotent_and_status_reports_it(
@@ -66,3 +71,15 @@ def test_a_reshard_left_part_way_is_finished_from_the_command_line(
     monkeypatch.setenv("PHOTON_REGISTRY_DSN", dsn)  # status reads every table: the owner's view
     status = json.loads(runner.invoke(app, ["registry", "status", "--json"]).output)
     assert [(c["version"], c["state"]) for c in status["configs"]] == [(1, "active"), (v2, "active"), (v3, "aborted")]
+
+
+def test_join_on_an_uninitialised_registry_says_what_to_do_in_one_line(
+    make_db: Callable[[], str], tmp_path: Path
+) -> None:
+    """Was a traceback ending in `UndefinedTable: relation "photon.pipelines" does not exist`, after a Spark start."""
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": make_db(), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(tmp_path), "--out", str(tmp_path)]
+    result = subprocess.run([*cmd, "--until-caught-up"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "run `photon registry init`" in result.stderr and "Traceback" not in result.stderr + result.stdout
+    assert len(result.stderr.strip().splitlines()) <= 2  # one message (rich may wrap it)
