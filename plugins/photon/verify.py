@@ -42,7 +42,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,11 +218,8 @@ def verify_and_recover(
     *,
     grace_s: float = 600.0,
     dry_run: bool = False,
-    on_step: Callable[[str], None] | None = None,
 ) -> VerifyReport:
-    """One verification pass (the numbered steps of the module's doc). ``on_step(name)`` is called between steps,
-    for tests that interleave other processes with a pass."""
-    step = on_step or (lambda _name: None)
+    """One verification pass (the numbered steps of the module's doc)."""
     report = VerifyReport(dry_run=dry_run)
     dcs = _data_centers(logs)
     # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.
@@ -236,7 +233,6 @@ def verify_and_recover(
         state = _read_state(lcur)
         rows = _tokened_rows(servers)
         report.checked = rows.num_rows
-        step("read")
         names = [state.owners.get(o, "") for o in rows["owner"].to_pylist()]
         rows = rows.append_column("pipeline", pa.array(names, pa.string()))
         judged_names = sorted({n for n in names if n in state.pipes})
@@ -269,7 +265,6 @@ def verify_and_recover(
                 report.fenced.append(name)
                 continue
             (report.fenced if _fence(lcur, pipe, grace_s) else report.not_fenced).append(name)
-        step("fenced")
         # 5. Roll forward committed, unpublished batches older than the grace period.
         for name, batch in to_roll:
             rolled = state.batches[(name, batch)]
@@ -282,7 +277,6 @@ def verify_and_recover(
             report.rolled_forward.append(f"{name}/{batch}")
         # 6. Committed batches again, after the fences and the roll-forward.
         state = _read_state(lcur)
-        step("rolled_forward")
         # 7. Judge.
         committed_parts, lost_parts = [], []
         for name in judged_names:
@@ -328,7 +322,6 @@ def verify_and_recover(
                         os.replace(path, path.with_suffix(""))
                     _fsync_dir(path.parent)
                 report.redispatched_files += [str(p.with_suffix("")) for p in intents if p.parent.name == "clicks"]
-        step("recovered")
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
         lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))

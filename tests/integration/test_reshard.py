@@ -256,16 +256,22 @@ def crash_after_first_enforcement(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reshard_mod, "_enforce", enforce_then_crash)
 
 
-def test_a_crash_mid_activation_refuses_old_clients_and_resume_activates_everywhere(
-    spread: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def crashed_mid_activation(spread: dict[str, str], monkeypatch: pytest.MonkeyPatch, lead_s: float) -> tuple[Any, Any]:
+    """A client held on the old layout, and a plan to 8 shards whose activator died after pg2 enforced it."""
     held = IdRegistry(spread, RegistryOptions(follow_layout=False))
     held.layout()
-    p = plan(spread, num_shards=8, placement=["main", "pg2"], lead_s=30, max_clock_skew_s=1)
+    p = plan(spread, num_shards=8, placement=["main", "pg2"], lead_s=lead_s, max_clock_skew_s=1)
     crash_after_first_enforcement(monkeypatch)
     with pytest.raises(SystemExit):
         activate(spread, p.version)
     monkeypatch.undo()
+    return held, p
+
+
+def test_a_crash_mid_activation_refuses_old_clients_and_resume_activates_everywhere(
+    spread: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held, p = crashed_mid_activation(spread, monkeypatch, lead_s=30)
     # The partial state: pg2 enforces v2, main does not say active. An old-layout client may not write there.
     assert enforced(spread) == {"main": 0, "pg2": 2} and states(spread)["main"][2] == "planned"
     owner = create_owner(spread["main"], "dc-a")
@@ -281,13 +287,7 @@ def test_a_crash_mid_activation_refuses_old_clients_and_resume_activates_everywh
 def test_a_crash_mid_activation_past_the_deadline_is_aborted_and_old_clients_write_again(
     spread: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    held = IdRegistry(spread, RegistryOptions(follow_layout=False))
-    held.layout()
-    p = plan(spread, num_shards=8, placement=["main", "pg2"], lead_s=3, max_clock_skew_s=1)
-    crash_after_first_enforcement(monkeypatch)
-    with pytest.raises(SystemExit):
-        activate(spread, p.version)
-    monkeypatch.undo()
+    held, p = crashed_mid_activation(spread, monkeypatch, lead_s=3)
     time.sleep(max(0.0, p.activate_by_us / US - time.time()) + 0.2)
     assert resume(spread, p.version) == "aborted"  # main cannot enforce v2 in time any more
     assert enforced(spread) == {"main": 0, "pg2": 1}  # pg2 withdrawn to v1, the newest active before v2
