@@ -11,9 +11,15 @@ PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo airflow bench-registry bench-generator bench-pipeline lock clean-state chaos
+.PHONY: shell setup test lint demo airflow bench-registry bench-generator bench-pipeline lock clean-state chaos
 
+# The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
+# that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
+# `.venv/bin/photon` (or `source .venv/bin/activate`, or `make shell`) is the command line.
 setup: $(VENV)/.ready
+	@grep -qxF "$(CURDIR)/plugins" "$(VENV)/lib/python3*/site-packages/_photon_airflow.pth" 2>/dev/null \
+	  || "$(VENV)/bin/pip" install --quiet --no-deps --no-build-isolation -e .
+	@ln -sfn "$(VENV)" .venv
 
 # The path already holds the requirements' hash, so a fresh clone (newer file times) must not rebuild it: the
 # requirements file is an order-only prerequisite.
@@ -34,6 +40,10 @@ lint: setup
 
 test: setup lint
 	"$(PY)" -m pytest $(PYTEST_ARGS)
+
+# A shell with the venv active: `photon`, `airflow`, `spark-submit` on PATH.
+shell: setup
+	@echo "photon venv: $(VENV) (exit to leave)"; VIRTUAL_ENV="$(VENV)" PATH="$(VENV)/bin:$$PATH" exec "$${SHELL:-/bin/bash}" -i
 
 demo: setup
 	"$(PY)" -m photon demo
