@@ -12,13 +12,17 @@ every file is written at once; in live mode (real timestamps) each replica's fil
 time: first as ``.inprogress`` while it is open, renamed to ``.jsonl`` once it has arrived whole.
 
 The manifest (``<logs>/_manifest/``) holds, for every click, the outcome it must have, and per file the number of
-malformed lines. See ``expectation()`` for the rule.
+malformed lines. See ``expectation()`` for the rule. Each run adds its own part (``clicks.parquet/<run>.parquet``,
+``files.parquet/<run>.parquet``, ``runs/<run>.json``), so logs generated in several runs (history, then live) keep
+one manifest that covers them all; ``manifest.json`` sums the runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +37,7 @@ import pyarrow.parquet as pq
 
 from photon.schemas import MANIFEST_DIR, MAX_LINE_BYTES
 
+log = logging.getLogger(__name__)
 US = 1_000_000
 KINDS = ("queries", "clicks")
 MALFORMED_KINDS = ("truncated", "wrong_type", "missing_id", "bad_id", "invalid_utf8", "not_an_object", "huge")
@@ -576,12 +581,17 @@ def generate(
     arrivals = Arrivals(settings, start_us, live)
     report = GenerateReport("live" if live else "historical", start_us, end_us)
     mdir = logs / MANIFEST_DIR
-    mdir.mkdir(parents=True, exist_ok=True)
+    run = _run_id(settings, start_us, end_us, live)
+    _adopt_legacy(mdir)
+    clicks_dir, files_dir = _parts_dir(mdir / "clicks.parquet"), _parts_dir(mdir / "files.parquet")
+    _warn_on_overlap(mdir, run, start_us, end_us)
     query_arrival: dict[tuple[int, int], int] = {}  # (query server, seq) -> first arrival over replicas
     file_rows: list[tuple[str, str, str, int, int, int, int]] = []
     pending: list[tuple[int, int, int, str, str, str, bytes]] = []  # live: (at, order, open, dc, kind, name, data)
     expect_counts: dict[str, int] = {}
-    writer = pq.ParquetWriter(mdir / "clicks.parquet", _CLICK_SCHEMA)
+    # Parts are written under a dot name (readers skip those) and renamed once whole.
+    clicks_part = clicks_dir / f".{run}.parquet.tmp"
+    writer = pq.ParquetWriter(clicks_part, _CLICK_SCHEMA)
     try:
         for chunk in world.chunks(start_us, end_us):
             for kind, name, a, b, bad, close, srv, seq in chunk.files:
@@ -617,31 +627,94 @@ def generate(
     report.queries = world.queries_logged
     report.duplicate_lines = world.duplicate_lines
     report.expect = dict(sorted(expect_counts.items()))
+    os.replace(clicks_part, clicks_dir / f"{run}.parquet")
     columns = ("dc", "kind", "name", "lines", "malformed", "close_us", "arrival_us")
-    pq.write_table(pa.table({c: [r[i] for r in file_rows] for i, c in enumerate(columns)}), mdir / "files.parquet")
-    (mdir / "manifest.json").write_text(
-        json.dumps(
-            {
-                "mode": report.mode,
-                "start_us": start_us,
-                "end_us": end_us,
-                "settings": _jsonable(settings),
-                "queries": report.queries,
-                "clicks": report.clicks,
-                "lines": report.lines,
-                "duplicate_lines": report.duplicate_lines,
-                "malformed_lines": report.malformed_lines,
-                "malformed_by_kind": dict(sorted(world.malformed_by_kind.items())),
-                "files_per_dc": report.files,
-                "expect": report.expect,
-            },
-            indent=2,
-            sort_keys=True,
-        )
-        + "\n"
-    )
+    files_part = files_dir / f".{run}.parquet.tmp"
+    pq.write_table(pa.table({c: [r[i] for r in file_rows] for i, c in enumerate(columns)}), files_part)
+    os.replace(files_part, files_dir / f"{run}.parquet")
+    summary = {
+        "run": run,
+        "mode": report.mode,
+        "start_us": start_us,
+        "end_us": end_us,
+        "settings": _jsonable(settings),
+        "queries": report.queries,
+        "clicks": report.clicks,
+        "lines": report.lines,
+        "duplicate_lines": report.duplicate_lines,
+        "malformed_lines": report.malformed_lines,
+        "malformed_by_kind": dict(sorted(world.malformed_by_kind.items())),
+        "files_per_dc": report.files,
+        "expect": report.expect,
+    }
+    (mdir / "runs").mkdir(exist_ok=True)
+    _write_json(mdir / "runs" / f"{run}.json", summary)
+    _write_json(mdir / "manifest.json", _sum_runs(mdir))
     report.seconds = time.perf_counter() - t_begin
     return report
+
+
+def _run_id(settings: GeneratorSettings, start_us: int, end_us: int, live: bool) -> str:
+    """Names a run's manifest parts: the same run again (same settings and range) replaces its own parts."""
+    key = json.dumps([_jsonable(settings), start_us, end_us, live], sort_keys=True).encode()
+    return f"{'live' if live else 'historical'}-{start_us}-{end_us}-{hashlib.sha256(key).hexdigest()[:8]}"
+
+
+def _adopt_legacy(mdir: Path) -> None:
+    """A manifest written before runs had parts (one ``clicks.parquet`` file) becomes the run ``legacy``."""
+    old = mdir / "manifest.json"
+    if (mdir / "clicks.parquet").is_file() and old.is_file() and not (mdir / "runs").is_dir():
+        (mdir / "runs").mkdir()
+        _write_json(mdir / "runs" / "legacy.json", {"run": "legacy", **json.loads(old.read_text())})
+
+
+def _parts_dir(path: Path) -> Path:
+    """The folder of a manifest table's per-run parts. A manifest from before parts (one file) becomes a part."""
+    if path.is_file():
+        legacy = path.with_name(f".{path.name}.legacy")
+        os.replace(path, legacy)
+        path.mkdir()
+        os.replace(legacy, path / "legacy.parquet")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _warn_on_overlap(mdir: Path, run: str, start_us: int, end_us: int) -> None:
+    for f in sorted((mdir / "runs").glob("*.json")):
+        other = json.loads(f.read_text())
+        if other["run"] != run and other["start_us"] < end_us and start_us < other["end_us"]:
+            log.warning(
+                "this run overlaps run %s in time: the manifest holds both, so the audit expects the clicks of both",
+                other["run"],
+            )
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _sum_runs(mdir: Path) -> dict[str, Any]:
+    """``manifest.json``: the totals over every run in the manifest (and the settings, when all runs share them)."""
+    runs = [json.loads(f.read_text()) for f in sorted((mdir / "runs").glob("*.json"))]
+    out: dict[str, Any] = {
+        "runs": [r["run"] for r in runs],
+        "mode": runs[0]["mode"] if len({r["mode"] for r in runs}) == 1 else "mixed",
+        "start_us": min(r["start_us"] for r in runs),
+        "end_us": max(r["end_us"] for r in runs),
+    }
+    for key in ("queries", "clicks", "lines", "duplicate_lines", "malformed_lines", "files_per_dc"):
+        out[key] = sum(r[key] for r in runs)
+    for key in ("malformed_by_kind", "expect"):
+        total: dict[str, int] = {}
+        for r in runs:
+            for k, v in r[key].items():
+                total[k] = total.get(k, 0) + v
+        out[key] = dict(sorted(total.items()))
+    if all(r["settings"] == runs[0]["settings"] for r in runs):
+        out["settings"] = runs[0]["settings"]
+    return out
 
 
 def _add_manifest_rows(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,39 @@ def test_cli_generates_historical_logs_with_overrides(tmp_path: Path) -> None:
     assert all((tmp_path / dc / "clicks").is_dir() for dc in ("dc-a", "dc-b", "dc-c"))
     bad = CliRunner().invoke(app, ["generate", "--logs", str(tmp_path / "x"), "--set", "nonsense=1"])
     assert bad.exit_code != 0 and "nonsense" in str(bad.exception)
+
+
+def test_a_second_run_adds_to_the_manifest_instead_of_replacing_it(tmp_path: Path) -> None:
+    """Was: generating more logs into the same folder replaced `_manifest/`, so the audit of output joined from the
+    first run's logs reported those clicks as unexpected."""
+    s = GeneratorSettings(events_per_s=2_000)
+    first = generate(s, tmp_path, start_us=START, end_us=START + 20 * US)
+    second = generate(s, tmp_path, start_us=START + 3_600 * US, end_us=START + 3_620 * US)
+    m = pq.read_table(tmp_path / "_manifest" / "clicks.parquet")
+    assert m.num_rows == first.clicks + second.clicks and len(set(m["click_id"].to_pylist())) == m.num_rows
+    files = pq.read_table(tmp_path / "_manifest" / "files.parquet")
+    assert files.num_rows == 2 * (first.files + second.files)  # two replicas
+    summary = json.loads((tmp_path / "_manifest" / "manifest.json").read_text())
+    assert len(summary["runs"]) == 2 and summary["clicks"] == first.clicks + second.clicks
+    assert summary["start_us"] == START and summary["end_us"] == START + 3_620 * US
+    # The same run again replaces its own part: nothing counted twice.
+    generate(s, tmp_path, start_us=START, end_us=START + 20 * US)
+    assert pq.read_table(tmp_path / "_manifest" / "clicks.parquet").num_rows == m.num_rows
+
+
+def test_a_manifest_from_before_parts_is_kept_as_one_run(tmp_path: Path) -> None:
+    s = GeneratorSettings(events_per_s=2_000)
+    first = generate(s, tmp_path, start_us=START, end_us=START + 20 * US)
+    mdir = tmp_path / "_manifest"
+    # Rewrite it in the old layout: one clicks.parquet file, one files.parquet file, manifest.json, no runs/.
+    for name in ("clicks.parquet", "files.parquet"):
+        table = pq.read_table(mdir / name)
+        shutil.rmtree(mdir / name)
+        pq.write_table(table, mdir / name)
+    old = json.loads((mdir / "runs" / next(p.name for p in (mdir / "runs").iterdir())).read_text())
+    shutil.rmtree(mdir / "runs")
+    (mdir / "manifest.json").write_text(json.dumps({k: v for k, v in old.items() if k != "run"}))
+    second = generate(s, tmp_path, start_us=START + 3_600 * US, end_us=START + 3_620 * US)
+    assert pq.read_table(mdir / "clicks.parquet").num_rows == first.clicks + second.clicks
+    summary = json.loads((mdir / "manifest.json").read_text())
+    assert "legacy" in summary["runs"] and summary["clicks"] == first.clicks + second.clicks
