@@ -13,13 +13,20 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from photon.registry import servers_from_settings
-from photon.settings import load_settings
+from photon.settings import Settings, load_settings
+from photon.status import ago, when
 
 app = typer.Typer(help="Photon: exactly-once joins of clicks to queries across data centers.", no_args_is_help=True)
 registry_app = typer.Typer(help="The IdRegistry: init, status, gc, reshard.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
 console = Console()
+
+
+def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
+    # Imported when a command runs: the registry module loads Arrow, which `--help` does not need.
+    from photon.registry import servers_from_settings as servers
+
+    return servers(settings)
 
 
 @app.callback()
@@ -60,7 +67,9 @@ def registry_init(
 @registry_app.command("status")
 def registry_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    estimate: Annotated[bool, typer.Option(help="Row counts from statistics instead of count(*).")] = False,
+    estimate: Annotated[
+        bool, typer.Option("--estimate", help="Row counts from statistics instead of count(*).")
+    ] = False,
 ) -> None:
     """Servers, shard configurations, per-shard GC thresholds, partitions, row counts and sizes."""
     from photon.registry_admin import status
@@ -72,13 +81,17 @@ def registry_status(
     for name, s in st["servers"].items():
         state = "reachable, migrations " + ",".join(s["migrations"]) if s["reachable"] else f"UNREACHABLE {s['error']}"
         console.print(f"server [bold]{name}[/] ({s['dsn']}): {state}")
-    console.print(f"partition width: {st['partition_width_us'] // 60_000_000} min; owners: {st['owners']}")
+    o = st["owners"]
+    console.print(
+        f"partition width: {st['partition_width_us'] // 60_000_000} min; owners: {o['total']:,} "
+        f"({o['current']:,} current, {o['retired']:,} retired by a fence)"
+    )
     for cfg in st["configs"]:
+        valid = "always" if cfg["valid_from_us"] == 0 else when(cfg["valid_from_us"])
         table = Table(
-            title=f"config v{cfg['version']} ({cfg['state']}), valid from {cfg['valid_from_us']} us, "
-            f"{cfg['num_shards']} shards"
+            title=f"config v{cfg['version']} ({cfg['state']}), valid from {valid}, {cfg['num_shards']} shards"
         )
-        for col in ("shard", "server", "table", "gc threshold us", "partitions", "rows", "bytes"):
+        for col in ("shard", "server", "table", "GC threshold (UTC)", "partitions", "rows", "bytes"):
             table.add_column(col, justify="right" if col not in ("server", "table") else "left")
         for sh in cfg["shards"]:
             if "error" in sh:
@@ -88,7 +101,7 @@ def registry_status(
                 str(sh["shard"]),
                 sh["server"],
                 sh["table"],
-                str(sh["gc_threshold_us"]),
+                when(sh["gc_threshold_us"]) if sh["gc_threshold_us"] > 0 else "none yet",
                 str(sh["partitions"]),
                 f"{sh['rows']:,}",
                 f"{sh['bytes']:,}",
@@ -101,7 +114,7 @@ def registry_gc(
     retention: Annotated[
         float, typer.Option(help="Seconds the registry remembers an id (longer than any replay of old logs).")
     ] = 3 * 86_400.0,
-    dry_run: Annotated[bool, typer.Option(help="Report what would be freed; change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; change nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Advance every shard's GC threshold to now - retention - max clock skew (never back), drop the partitions
@@ -290,6 +303,9 @@ def audit_cmd(
     from photon.audit import audit
     from photon.schemas import MANIFEST_DIR
 
+    _folder(out, "--out")
+    if logs is not None:
+        _folder(logs, "--logs")
     if manifest is None and logs is not None and (logs / MANIFEST_DIR / "clicks.parquet").exists():
         manifest = logs / MANIFEST_DIR
     spark = None
@@ -345,8 +361,12 @@ def join_cmd(
     logs: Annotated[Path, typer.Option(help="Input logs folder.")],
     out: Annotated[Path, typer.Option(help="Output folder.")],
     run_for: Annotated[float | None, typer.Option(help="Run micro-batches for this many seconds (a lease).")] = None,
-    until_caught_up: Annotated[bool, typer.Option(help="Stop when no new file and no due retry is left.")] = False,
-    drain: Annotated[bool, typer.Option(help="With --until-caught-up: also wait for every retry to resolve.")] = False,
+    until_caught_up: Annotated[
+        bool, typer.Option("--until-caught-up", help="Stop when no new file and no due retry is left.")
+    ] = False,
+    drain: Annotated[
+        bool, typer.Option("--drain", help="With --until-caught-up: also wait for every retry to resolve.")
+    ] = False,
     trigger_interval: Annotated[float, typer.Option(help="Seconds between micro-batch triggers.")] = 1.0,
     max_join_delay: Annotated[float, typer.Option(help="Give up on a click's query after this many seconds.")] = 120.0,
     adapter: Annotated[str, typer.Option(help="module:function merging query fields into clicks.")] = (
@@ -366,6 +386,7 @@ def join_cmd(
     from photon.registry import read_layout
     from photon.spark_session import get_spark
 
+    _folder(logs, "--logs")
     if run_for is None and not until_caught_up:
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
@@ -404,13 +425,15 @@ def verify_cmd(
     logs: Annotated[Path, typer.Option(help="Input logs folder (lost clicks are re-dispatched there).")],
     out: Annotated[Path, typer.Option(help="Output folder of the pipelines.")],
     grace: Annotated[float, typer.Option(help="Seconds without a commit before a pipeline counts as gone.")] = 600.0,
-    dry_run: Annotated[bool, typer.Option(help="Report only; change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report only; change nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Find registered clicks missing from their pipeline's output whose batch is over, recover them (delete their
     registry rows if the token still matches, re-dispatch their lines), and clear the tokens of committed output."""
     from photon.verify import verify_and_recover
 
+    _folder(logs, "--logs")
+    _folder(out, "--out")
     report = verify_and_recover(servers_from_settings(), out, logs, grace_s=grace, dry_run=dry_run)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -426,15 +449,98 @@ def verify_cmd(
         console.print(f"fenced (gone) pipelines: {', '.join(report.fenced)}")
 
 
+@app.command("status")
+def status_cmd(
+    pipeline: Annotated[list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: all.")] = None,
+    logs: Annotated[Path | None, typer.Option(help="Input logs, for the lag (default: $PHOTON_HOME/logs).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output, for the retry sets (default: $PHOTON_HOME/out).")] = None,
+    window: Annotated[float, typer.Option(help="Seconds of recent batches for latency and shares.")] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Per pipeline: last batch and when, lease holder and heartbeat, lag (oldest unconsumed closed file), retries
+    waiting, and over the recent window click latency, joins and the wasted share."""
+    from photon.status import pipeline_status
+
+    home = load_settings().home
+    logs = _folder(logs, "--logs") if logs is not None else (home / "logs" if (home / "logs").is_dir() else None)
+    out = _folder(out, "--out") if out is not None else (home / "out" if (home / "out").is_dir() else None)
+    records = pipeline_status(
+        servers_from_settings()["main"], logs=logs, out=out, pipelines=pipeline or (), window_s=window
+    )
+    if as_json:
+        typer.echo(json.dumps(records, indent=2))
+        return
+    if not records:
+        console.print("no pipeline has started yet")
+        return
+    table = Table(title=f"pipelines (recent = last {window:.0f} s)")
+    for col in ("pipeline", "last batch", "lease, heartbeat", "lag", "retries", "recent latency p50/p99", "recent"):
+        table.add_column(col)
+    for r in records:
+        lag = r["lag"]
+        if lag is None:
+            lag_text = "? (no logs folder)"
+        else:
+            waits = [(v["waiting_s"], k) for k, v in lag.items() if v is not None]
+            lag_text = "caught up" if not waits else f"{max(waits)[1]}: oldest waiting {max(waits)[0]:,.0f} s"
+        rec = r["recent"]
+        retries = r["retries"]
+        table.add_row(
+            f"{r['pipeline']}\n[dim]{r['kind']}, {r['dc']}[/]",
+            f"{r['last_batch']:,}\n[dim]{ago(r['last_batch_age_s'])}[/]",
+            f"{r['lease_holder'] or '-'} (epoch {r['epoch']})\n[dim]heartbeat {ago(r['heartbeat_age_s'])}[/]",
+            lag_text,
+            "?" if retries is None else f"{retries['waiting']:,} waiting\n[dim]{retries['due']:,} due[/]",
+            "-" if rec["latency_p50_s"] is None else f"{rec['latency_p50_s']:.2f} s / {rec['latency_p99_s']:.2f} s",
+            f"{rec['batches']:,} batches, {rec['joined']:,} joined\n[dim]wasted "
+            + ("-" if rec["wasted_share"] is None else f"{rec['wasted_share']:.1%}")
+            + " of clicks[/]",
+        )
+    console.print(table)
+
+
+def _folder(path: Path, option: str) -> Path:
+    """A folder the user named must exist: one clear line instead of a listing of nothing."""
+    if not path.is_dir():
+        raise ValueError(f"{option} {path}: no such folder")
+    return path
+
+
 @app.command("report")
 def report_cmd(
-    to: Annotated[Path, typer.Option(help="Folder for the PNG charts.")] = Path("report"),
+    pipeline: Annotated[
+        list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: every one but backfills.")
+    ] = None,
+    since: Annotated[
+        str, typer.Option(help="Batches since: a duration back from now (90m, 6h, 2d), an ISO time, or 'all'.")
+    ] = "1h",
+    to: Annotated[Path | None, typer.Option(help="Folder for the PNG charts (default: $PHOTON_HOME/report).")] = None,
 ) -> None:
-    """PNG charts from the metrics tables: click latency, pipelines' shares, registry batching, shard sizes."""
-    from photon.report import render_report
+    """PNG charts from the metrics tables: click latency, pipelines' shares, registry batching, shard sizes. A chart
+    with no data in the range is not drawn."""
+    from photon.registry_admin import server_clock_us
+    from photon.report import live_pipelines, render_report
 
-    for path in render_report(servers_from_settings()["main"], to):
+    main_dsn = servers_from_settings()["main"]
+    since_us = None if since == "all" else _parse_since(since, server_clock_us(main_dsn))
+    chosen = pipeline or live_pipelines(main_dsn)
+    result = render_report(main_dsn, to or load_settings().home / "report", pipelines=chosen, since_us=since_us)
+    console.print(f"pipelines: {', '.join(result.pipelines) or 'none with batches in the range'}")
+    for path in result.written:
         console.print(f"wrote {path}")
+    for name, why in result.skipped.items():
+        console.print(f"[dim]not drawn: {name}: {why}[/]")
+
+
+def _parse_since(text: str, now_us: int) -> int:
+    """Epoch microseconds from a duration back from ``now_us`` (30s, 90m, 6h, 2d) or an absolute time."""
+    units = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
+    if text[-1:] in units:
+        try:
+            return now_us - int(float(text[:-1]) * units[text[-1]] * 1_000_000)
+        except ValueError:
+            pass
+    return _parse_time(text)
 
 
 @app.command("demo")
@@ -442,7 +548,9 @@ def demo(
     seconds: Annotated[float, typer.Option(help="Seconds of live logs.")] = 90.0,
     rate: Annotated[float, typer.Option(help="Events per second.")] = 1_000.0,
     max_join_delay: Annotated[float, typer.Option(help="The joiners' maximum join delay.")] = 30.0,
-    registry_race: Annotated[bool, typer.Option(help="Only race two writers over the registry.")] = False,
+    registry_race: Annotated[
+        bool, typer.Option("--registry-race", help="Only race two writers over the registry.")
+    ] = False,
 ) -> None:
     """Both data centers joining generated live logs at once, ending with an audit (exit 1 if it fails)."""
     from photon.demo import run_pipeline_demo, run_registry_race
@@ -506,14 +614,22 @@ def airflow_cmd(
 
 
 def main() -> None:
-    from photon.ids import InvalidEventIdError
-    from photon.migrations import MigrationError
-    from photon.pg import RegistryUnavailableError
-    from photon.registry import RegistryError
-
     try:
-        app()
-    except (RegistryError, RegistryUnavailableError, MigrationError, InvalidEventIdError, ValueError) as exc:
-        # Known failures get one clear line, not a traceback; -v logging still shows details.
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        app(prog_name="photon")
+    except Exception as exc:
+        # The error classes are imported only now: their modules load Arrow, which `--help` does not need.
+        from photon.ids import InvalidEventIdError
+        from photon.migrations import MigrationError
+        from photon.pg import RegistryUnavailableError
+        from photon.registry import RegistryError
+
+        if not isinstance(
+            exc, RegistryError | RegistryUnavailableError | MigrationError | InvalidEventIdError | ValueError
+        ):
+            raise
+        # Known failures get one clear line, not a traceback (-v logging still shows details): one line whatever
+        # the message holds (a driver's error spans several), never wrapped by rich.
+        from rich.markup import escape
+
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(' '.join(str(exc).split()))}")
         sys.exit(2)

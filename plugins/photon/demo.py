@@ -206,7 +206,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     freed = collect_garbage(servers, retention_s=60, max_clock_skew_s=10)
     console.print(f"registry GC keeping 60 s: {freed.rows_freed:,} rows freed")
     charts = render_report(servers["main"], run / "report")
-    console.print(f"charts: {', '.join(str(c) for c in charts)}")
+    console.print(f"charts: {', '.join(str(c) for c in charts.written)}")
     if report.ok:
         shutil.rmtree(logs, ignore_errors=True)  # the logs are only needed to look into a failure
         console.print(f"output kept in {out}")

@@ -156,9 +156,15 @@ def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
     with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
         cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
         configs = cur.fetchall()
-        cur.execute("SELECT count(*), count(*) FILTER (WHERE ended_at IS NULL) FROM photon.owners")
-        total, live = cur.fetchone()
-    out["owners"] = {"total": int(total), "not_ended": int(live)}
+        # An owner is a pipeline's identity in its tokens: current until a fence retires it (a lease ending does
+        # not end it; only the registry race's one-off owners are ever ended).
+        cur.execute(
+            "SELECT count(*), count(*) FILTER (WHERE owner_id IN (SELECT owner_id FROM photon.pipelines)),"
+            " count(*) FILTER (WHERE retired_at IS NOT NULL), count(*) FILTER (WHERE ended_at IS NOT NULL)"
+            " FROM photon.owners"
+        )
+        total, current, retired, ended = cur.fetchone()
+    out["owners"] = {"total": int(total), "current": int(current), "retired": int(retired), "ended": int(ended)}
     for version, valid_from, num, state in configs:
         shards = []
         for shard_no in range(num if state != "aborted" else 0):  # an aborted plan's shards were removed

@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,12 +22,21 @@ US = 1_000_000
 BIN_S = 10
 
 
-def _metrics(main: str) -> dict[str, dict[str, np.ndarray]]:
+@dataclass
+class ReportResult:
+    written: list[Path] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # chart -> why it was not drawn (no data)
+    pipelines: list[str] = field(default_factory=list)
+
+
+def _metrics(main: str, pipelines: Sequence[str] | None, since_us: int | None) -> dict[str, dict[str, np.ndarray]]:
     with autocommit(main) as conn, conn.cursor() as cur:
         cur.execute(
             "SELECT pipeline, started_at_us, duration_s, joined, registry_rows, registry_txns,"
             " coalesce(latency_p50_s, 'NaN'), coalesce(latency_p90_s, 'NaN'), coalesce(latency_p99_s, 'NaN')"
-            " FROM photon.batch_metrics ORDER BY started_at_us"
+            " FROM photon.batch_metrics WHERE (%s::text[] IS NULL OR pipeline = ANY(%s::text[]))"
+            " AND started_at_us >= %s ORDER BY started_at_us",
+            (list(pipelines) if pipelines is not None else None,) * 2 + (since_us or 0,),
         )
         rows = cur.fetchall()
     out: dict[str, dict[str, np.ndarray]] = {}
@@ -43,18 +55,71 @@ def _metrics(main: str) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-def render_report(main: str, to: Path) -> list[Path]:
-    """Draw the charts from the registry's main server into ``to``; returns the files written."""
+def live_pipelines(main: str) -> list[str]:
+    """Every pipeline but the backfills (whose latency is hours by nature and would flatten the chart)."""
+    with autocommit(main) as conn, conn.cursor() as cur:
+        cur.execute("SELECT pipeline FROM photon.pipelines WHERE pipeline NOT LIKE 'backfill-%' ORDER BY 1")
+        return [r[0] for r in cur.fetchall()]
+
+
+def render_report(
+    main: str, to: Path, *, pipelines: Sequence[str] | None = None, since_us: int | None = None
+) -> ReportResult:
+    """Draw the charts of ``pipelines`` (default: all) since ``since_us`` (default: all time) from the registry's
+    main server into ``to``. A chart without data is not drawn; ``skipped`` says why."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     to.mkdir(parents=True, exist_ok=True)
-    m = _metrics(main)
+    m = _metrics(main, pipelines, since_us)
+    result = ReportResult(pipelines=sorted(m))
     t0 = min((float(v["t"].min()) for v in m.values() if len(v["t"])), default=0.0)
-    written = []
+    written = result.written
 
+    def skip(name: str, why: str) -> None:
+        result.skipped[name] = why
+        (to / name).unlink(missing_ok=True)  # never leave an older run's chart beside this run's
+
+    if not any((~np.isnan(v["p90"])).any() for v in m.values()):
+        skip("latency.png", "no batch with joined clicks in the range")
+    else:
+        _latency(plt, m, t0, to, written)
+    if not any(v["joined"].sum() > 0 for v in m.values()):
+        skip("shares.png", "no joins in the range")
+    else:
+        _shares(plt, m, t0, to, written)
+    if not any((v["txns"] > 0).any() for v in m.values()):
+        skip("registry_batching.png", "no registry transactions in the range")
+    else:
+        _batching(plt, m, t0, to, written)
+
+    with autocommit(main) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT at_us, config_version, shard_no, rows, event FROM photon.shard_history WHERE at_us >= %s"
+            " ORDER BY at_us, 2, 3",
+            (since_us or 0,),
+        )
+        hist = cur.fetchall()
+    if not hist:
+        skip("shard_sizes.png", "no shard sizes recorded in the range (GC runs record them)")
+        return result
+    t0 = t0 or hist[0][0] / US
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key in sorted({(v, s) for _, v, s, _, _ in hist}):
+        pts = [(a, r) for a, v, s, r, _ in hist if (v, s) == key]
+        ax.plot([(a / US) - t0 for a, _ in pts], [r for _, r in pts], "-o", ms=3, label=f"c{key[0]}/s{key[1]}")
+    for a in sorted({a for a, _, _, _, e in hist if e == "gc"}):
+        ax.axvline(a / US - t0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="seconds since the first batch (dashed: GC runs)", ylabel="rows", title="Registry rows per shard")
+    ax.legend(ncol=4, fontsize=8)
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, to / "shard_sizes.png"))
+    return result
+
+
+def _latency(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for p, v in m.items():
         ok = ~np.isnan(v["p90"])
@@ -65,6 +130,8 @@ def render_report(main: str, to: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     written.append(_save(fig, to / "latency.png"))
 
+
+def _shares(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     end = max((float(v["t"].max()) for v in m.values() if len(v["t"])), default=t0) - t0
     edges = np.arange(0, end + 2 * BIN_S, BIN_S)
@@ -82,6 +149,8 @@ def render_report(main: str, to: Path) -> list[Path]:
     ax.legend()
     written.append(_save(fig, to / "shares.png"))
 
+
+def _batching(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for p, v in m.items():
         ok = v["txns"] > 0
@@ -95,24 +164,6 @@ def render_report(main: str, to: Path) -> list[Path]:
     ax.legend()
     ax.grid(alpha=0.3)
     written.append(_save(fig, to / "registry_batching.png"))
-
-    with autocommit(main) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT at_us, config_version, shard_no, rows, event FROM photon.shard_history ORDER BY at_us, 2, 3"
-        )
-        hist = cur.fetchall()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for key in sorted({(v, s) for _, v, s, _, _ in hist}):
-        pts = [(a, r) for a, v, s, r, _ in hist if (v, s) == key]
-        ax.plot([(a / US) - t0 for a, _ in pts], [r for _, r in pts], "-o", ms=3, label=f"c{key[0]}/s{key[1]}")
-    for a in sorted({a for a, _, _, _, e in hist if e == "gc"}):
-        ax.axvline(a / US - t0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="seconds since the first batch (dashed: GC runs)", ylabel="rows", title="Registry rows per shard")
-    if hist:
-        ax.legend(ncol=4, fontsize=8)
-    ax.grid(alpha=0.3)
-    written.append(_save(fig, to / "shard_sizes.png"))
-    return written
 
 
 def _save(fig: object, path: Path) -> Path:

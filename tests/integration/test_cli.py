@@ -83,3 +83,43 @@ def test_join_on_an_uninitialised_registry_says_what_to_do_in_one_line(
     assert result.returncode == 2
     assert "run `photon registry init`" in result.stderr and "Traceback" not in result.stderr + result.stdout
     assert len(result.stderr.strip().splitlines()) <= 2  # one message (rich may wrap it)
+
+
+def test_the_photon_command_is_installed_and_its_help_imports_nothing_heavy() -> None:
+    """`make setup` installs the console script beside the venv's Python. Its help loads no Spark, Arrow, GX,
+    Airflow or matplotlib (those made `--help` take 6-9 s), and says `photon`, not `python -m photon`."""
+    exe = Path(sys.executable).parent / "photon"
+    assert exe.is_file(), f"{exe}: run `make setup`"
+    result = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.returncode == 0 and "Usage: photon" in result.stdout and "status" in result.stdout
+    probe = (
+        "import sys; sys.argv = ['photon', 'join', '--help']\n"
+        "from photon.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = ('pyspark', 'pyarrow', 'great_expectations', 'airflow', 'matplotlib', 'pandas')\n"
+        "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    assert "LOADED []" in out, out[-300:]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["join", "--dc", "dc-a", "--logs", "{tmp}/missing", "--out", "{tmp}", "--until-caught-up"],
+        ["verify", "--logs", "{tmp}/missing", "--out", "{tmp}"],
+        ["audit", "--out", "{tmp}/missing"],
+        ["registry", "status"],
+        ["status"],
+    ],
+    ids=["join-missing-logs", "verify-missing-logs", "audit-missing-out", "registry-unreachable", "status-unreachable"],
+)
+def test_a_missing_folder_or_an_unreachable_server_is_one_line(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", "PHOTON_HOME": str(tmp_path / "home")}
+    env["PHOTON_REGISTRY_DSN"] = "host=127.0.0.1 port=9 user=nobody dbname=nothing connect_timeout=2"
+    cmd = [sys.executable, "-m", "photon", *(a.format(tmp=tmp_path) for a in args)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    text = result.stdout + result.stderr
+    assert "Traceback" not in text and ("no such folder" in text or "127.0.0.1" in text), text
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr

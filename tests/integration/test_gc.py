@@ -159,7 +159,7 @@ def test_gc_while_two_joiners_replay_old_logs(tmp_path: Path, servers: dict[str,
     assert second.duplicate_clicks == 0 and second.lost == 0 and second.wrong_query == 0
 
     # The run's metrics and the GC runs' shard sizes draw the report's charts.
-    charts = render_report(servers["main"], tmp_path / "report")
+    charts = render_report(servers["main"], tmp_path / "report").written
     assert [c.name for c in charts] == ["latency.png", "shares.png", "registry_batching.png", "shard_sizes.png"]
     for c in charts:
         data = c.read_bytes()
