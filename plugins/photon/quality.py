@@ -30,12 +30,24 @@ Each check means the same on a live hour and on one backfilled a week later:
 The GX project lives in ``<out>/_quality/gx`` and the Data Docs site (HTML) in ``<out>/_quality/data_docs``; both
 folders start with ``_`` so no reader of the output takes them for a pipeline. GX's logging is kept to warnings and
 its progress bars are off; the check logs one line per failed expectation (``photon.quality``).
+
+**Data Docs offline.** GX's pages load Bootstrap, bootstrap-table (which draws every list, the validation results
+included), jQuery and the rest from CDNs, so without internet they render blank. ``make setup`` installs the npm
+packages those CDN links serve, at the versions the pages name (``plugins/photon/data_docs/package-lock.json``), beside
+the venv; after each run the check copies the few files a page loads into ``<site>/static/vendor/`` and points the
+pages there (the two files GX pins by SRI hash are byte-identical: a test checks the hashes). The Vega scripts are
+dropped: only distribution expectations (KL divergence) draw charts, and this checkpoint has none. Without the
+assets installed the pages keep their CDN links and a warning says so.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import sys
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -236,6 +248,7 @@ def check_quality(
                     cfg = r.expectation_config
                     failed.append(f"{definition.name}: {cfg.type}({cfg.kwargs.get('column', '')})")
                     details.append(f"{failed[-1]}: {_observed(r.result)}")
+    localize_data_docs(site)
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
     counts = f"{joined.num_rows} joined, {unjoinable} unjoinable, {quarantined} quarantined lines"
     log.info("data quality %s: %s (%s)", window, "PASS" if success else f"FAIL, {len(failed)} expectation(s)", counts)
@@ -283,3 +296,113 @@ def _run_id(start_us: int, end_us: int) -> Any:
 
     start = datetime.fromtimestamp(start_us / US, UTC)
     return RunIdentifier(run_name=f"interval {start:%Y-%m-%dT%H:%M:%S}+{(end_us - start_us) // US}s", run_time=start)
+
+
+# -- Data Docs offline ------------------------------------------------------------------------------------------
+
+# Each CDN prefix in GX 1.24's page templates, and where the same file sits in the npm package (of the same name and
+# version) that the CDN serves: plugins/photon/data_docs/package.json pins exactly these.
+CDN_TO_PACKAGE = (
+    ("https://unpkg.com/bootstrap-table@1.19.1/", "bootstrap-table/"),
+    ("https://unpkg.com/bootstrap-table@1.19.0/", "bootstrap-table/"),  # one 0.4 kB stylesheet; 1.19.1's copy
+    ("https://maxcdn.bootstrapcdn.com/bootstrap/4.3.1/", "bootstrap/dist/"),
+    ("https://stackpath.bootstrapcdn.com/bootstrap/4.3.1/", "bootstrap/dist/"),
+    ("https://code.jquery.com/jquery-3.7.1.min.js", "jquery/dist/jquery.min.js"),
+    ("https://cdnjs.cloudflare.com/ajax/libs/popper.js/1.12.9/", "popper.js/dist/"),
+    ("https://cdnjs.cloudflare.com/ajax/libs/bootstrap-datepicker/1.9.0/", "bootstrap-datepicker/dist/"),
+    ("https://cdnjs.cloudflare.com/ajax/libs/font-awesome/6.6.0/", "@fortawesome/fontawesome-free/"),
+    ("https://cdn.jsdelivr.net/npm/@forevolve/bootstrap-dark@1.1.0/", "@forevolve/bootstrap-dark/"),
+)
+# Loaded by a stylesheet above (all.min.css: ../webfonts/*), so copied whole.
+ASSET_DIRS = ("@fortawesome/fontawesome-free/webfonts/",)
+# GX's logo (and a tracking query string) from its own web assets: its package ships the logo in static/images.
+GX_WEB_ASSETS = "https://great-expectations-web-assets.s3.us-east-2.amazonaws.com/"
+_VEGA = re.compile(r'<script src="https://cdn\.jsdelivr\.net/npm/vega[-a-z]*@\d+"></script>\s*')
+_URL = re.compile(r"""(?P<q>["'])(?P<url>https://[^"'\s]+)(?P=q)""")
+_SRI = re.compile(r"""\s+(?:integrity|crossorigin)=(["'])[^"']*\1""")  # file:// pages can't load CORS-mode scripts
+_REMOTE_LOAD = re.compile(
+    r"""<(?:script|link|img)\b[^>]*?\b(?:src|href)=["'](https?://[^"']+)|url\(["']?(https?://[^"')]+)"""
+)
+_STATIC = re.compile(r"""(["'(])(?:\./|(?:\.\./)+)?static/""")
+_MARKER = ".localized"
+
+
+def data_docs_assets_path() -> Path:
+    """Where the npm packages (``node_modules``) are: ``PHOTON_DATA_DOCS_ASSETS``, else where ``make setup`` puts
+    them, beside the venv."""
+    configured = os.environ.get("PHOTON_DATA_DOCS_ASSETS")
+    return Path(configured) if configured else Path(sys.prefix) / "share" / "photon-data-docs" / "node_modules"
+
+
+def data_docs_assets() -> Path | None:
+    """The installed npm packages, or None."""
+    path = data_docs_assets_path()
+    return path if (path / "bootstrap-table").is_dir() else None
+
+
+def remote_loads(html: str) -> list[str]:
+    """Every URL a page would fetch from the network (scripts, stylesheets, images, CSS url()); links don't count."""
+    return [a or b for a, b in _REMOTE_LOAD.findall(html)]
+
+
+def localize_data_docs(site: Path) -> list[str]:
+    """Serve every asset of the site's pages from ``<site>/static/vendor``: copy the files from the installed npm
+    packages, rewrite the pages GX wrote since the last call (all of them the first time; rewriting is idempotent).
+    Returns the remote URLs still loaded by some page (logged as a warning: a GX upgrade that names new assets)."""
+    assets = data_docs_assets()
+    if assets is None:
+        log.warning(
+            "Data Docs assets are not installed in %s (`make setup` installs them with npm): the pages load their"
+            " CSS and JavaScript from CDNs and render blank offline",
+            data_docs_assets_path(),
+        )
+        return []
+    vendor = site / "static" / "vendor"
+    vendor.mkdir(parents=True, exist_ok=True)
+    marker = vendor / _MARKER
+    since = marker.stat().st_mtime_ns if marker.exists() else 0
+    scanned = time.time_ns()  # a page written from now on (a concurrent run) is taken next time
+    pages = [p for p in site.rglob("*.html") if p.stat().st_mtime_ns >= since]
+    needed: set[str] = set()
+    left: set[str] = set()
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        new = _localize_page(html, os.path.relpath(site / "static", page.parent), needed)
+        left.update(remote_loads(new))
+        if new != html:
+            tmp = page.with_name(f".{page.name}.{os.getpid()}")
+            tmp.write_text(new, encoding="utf-8")
+            os.replace(tmp, page)
+    for rel in sorted(needed) + [d + f.name for d in ASSET_DIRS for f in sorted((assets / d).glob("*"))]:
+        src, dst = assets / rel, vendor / rel
+        if not src.is_file():
+            left.add(rel)
+        elif not dst.is_file() or dst.stat().st_size != src.stat().st_size:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    marker.touch()
+    os.utime(marker, ns=(scanned, scanned))
+    if left:
+        log.warning("Data Docs still load these from the network or miss them: %s", ", ".join(sorted(left)))
+    return sorted(left)
+
+
+def _localize_page(html: str, static: str, needed: set[str]) -> str:
+    html = _VEGA.sub("", html)
+
+    def local(m: re.Match[str]) -> str:
+        url = m["url"]
+        if url.startswith(GX_WEB_ASSETS):
+            return f"{m['q']}{static}/images/logo-long.png{m['q']}"
+        for prefix, package in CDN_TO_PACKAGE:
+            if url.startswith(prefix):
+                rel = package + url[len(prefix) :]
+                needed.add(rel)
+                return f"{m['q']}{static}/vendor/{rel}{m['q']}"
+        return m.group(0)
+
+    html = _URL.sub(local, html)
+    # GX's own relative links into static/ are one level short on validation pages (their favicon): point every one
+    # at the site's static folder from this page.
+    html = _STATIC.sub(lambda m: f"{m[1]}{static}/", html)
+    return re.sub(r"<(?:script|link)\b[^>]*>", lambda m: _SRI.sub("", m.group(0)), html)
