@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from photon.durable import write_durably
 from photon.ids import valid_ids
 
 US = 1_000_000
@@ -145,8 +146,5 @@ def write_queries(queries: pa.Table, folder: Path, name: str, bucket_s: int) -> 
 
 
 def atomic_write(table: pa.Table, path: Path) -> None:
-    """Write a Parquet file under a temporary name and rename it: readers (and a retried task) never see half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    """Write a Parquet file whole or not at all, and durably (photon.durable): every file a batch commits."""
+    write_durably(path, lambda fh: pq.write_table(table, fh))

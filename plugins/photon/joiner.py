@@ -40,15 +40,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
-from photon.parse import parse_file
+from photon.durable import fsync_dir, make_dirs
+from photon.parse import BAD_FIELDS, CLICK_FIELDS, QUERY_FIELDS, Malformed, parse_click, parse_file, parse_query
 from photon.pipeline_state import Lease, PipelineState
-from photon.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
+from photon.schemas import (
+    JOINED,
+    JOINED_SCHEMA,
+    QUARANTINE,
+    QUARANTINE_SCHEMA,
+    RAW_CAP_BYTES,
+    UNJOINABLE,
+    UNJOINABLE_SCHEMA,
+)
+from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
 
 log = logging.getLogger(__name__)
 US = 1_000_000
 
 REASON_TOO_LATE = "query not found within the maximum join delay"
 REASON_GC = "older than the registry's garbage-collection threshold"
+REASON_BEFORE = "stamped before 2010-01-01: not a plausible time"
 JOIN_COUNTS = (
     "clicks",
     "retries_in",
@@ -86,6 +97,9 @@ class JoinSettings:
     window_margin_s: float = 120.0
     # A live joiner heartbeats this often, idle or not; the verifier's grace period must be several times longer.
     heartbeat_s: float = 5.0
+    # An event stamped further ahead of the joiner's clock is decided at the door (a click: unjoinable/, a query:
+    # quarantine/), and the registry refuses such ids with the same bound: the maximum clock skew plus a margin.
+    max_future_s: float = MAX_FUTURE_S
 
 
 @dataclass
@@ -128,14 +142,89 @@ JOIN_TASK = pa.schema(
 )
 
 
-def _registry(servers: Mapping[str, str]) -> Any:
-    """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
-    from photon.registry import IdRegistry
+class AdapterContractError(RuntimeError):
+    """The adapter returned something other than one row per click, in order, with the adapted schema."""
 
-    key = tuple(sorted(servers.items()))
+
+def run_adapter(path: str, batch: pa.RecordBatch) -> pa.Table:
+    """The adapter's output for ``batch``, checked against its contract (adapter.py)."""
+    out = load_adapter(path)(batch)
+    if isinstance(out, pa.RecordBatch):
+        out = pa.Table.from_batches([out])
+    if not isinstance(out, pa.Table):
+        raise AdapterContractError(f"returned {type(out).__name__}, not a pyarrow RecordBatch")
+    if out.num_rows != batch.num_rows:
+        raise AdapterContractError(f"returned {out.num_rows} rows for {batch.num_rows} clicks")
+    missing = [n for n in ADAPTED_SCHEMA.names if n not in out.schema.names]
+    if missing:
+        raise AdapterContractError(f"returned no column {', '.join(missing)}")
+    try:
+        out = out.select(ADAPTED_SCHEMA.names).cast(ADAPTED_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise AdapterContractError(f"returned columns of the wrong type: {exc}") from None
+    if not out.column("click_id").combine_chunks().equals(batch.column("click_id")):
+        raise AdapterContractError("changed or reordered the clicks (click_id differs row by row)")
+    return out
+
+
+def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
+    """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
+    from photon.registry import IdRegistry, RegistryOptions
+
+    key = (*sorted(servers.items()), ("max_future_s", str(max_future_s)))
     if key not in _REGISTRIES:
-        _REGISTRIES[key] = IdRegistry(dict(servers))
+        _REGISTRIES[key] = IdRegistry(dict(servers), RegistryOptions(max_future_s=max_future_s))
     return _REGISTRIES[key]
+
+
+def _future_reason(max_future_s: float) -> str:
+    return f"stamped more than {max_future_s:g} s ahead of the joiner's clock (maximum clock skew plus margin)"
+
+
+def _implausible(ts_us: np.ndarray, now_us: int, max_future_us: int) -> np.ndarray:
+    return (ts_us > now_us + max_future_us) | (ts_us < PLAUSIBLE_FROM_US)
+
+
+def _quarantine_implausible(name: str, content: bytes, kind: str, now_us: int, max_future_s: float) -> pa.Table:
+    """Bad-line records for the events of a file stamped at an implausible time. Rare: the file is read again by the
+    reference parser, which numbers its lines (the fast path agrees with it on every event)."""
+    parser = parse_query if kind == "queries" else parse_click
+    limit = now_us + int(max_future_s * US)
+    bad: dict[str, list[Any]] = {f.name: [] for f in BAD_FIELDS}
+    for i, line in enumerate(content.split(b"\n")):
+        try:
+            ts = parser(line)["ts_us"]
+        except Malformed:
+            continue
+        if ts > limit or ts < PLAUSIBLE_FROM_US:
+            for col, v in zip(
+                BAD_FIELDS.names,
+                (
+                    name,
+                    i + 1,
+                    line[:RAW_CAP_BYTES],
+                    len(line),
+                    _future_reason(max_future_s) if ts > limit else REASON_BEFORE,
+                ),
+                strict=True,
+            ):
+                bad[col].append(v)
+    return pa.table(bad, schema=BAD_FIELDS)
+
+
+def _unparsable_file(name: str, content: bytes, exc: BaseException) -> pa.Table:
+    """The last resort: a file whose parsing still raised is quarantined whole (line 0), so the batch goes on."""
+    reason = f"file could not be parsed ({type(exc).__name__}: {str(exc)[:200]}); quarantined whole"
+    return pa.table(
+        {
+            "file": [name],
+            "line": [0],
+            "raw": [content[:RAW_CAP_BYTES]],
+            "raw_bytes": [len(content)],
+            "reason": [reason],
+        },
+        schema=BAD_FIELDS,
+    )
 
 
 def _quarantine(bad: pa.Table, dc: str, kind: str, now: int) -> pa.Table:
@@ -172,6 +261,7 @@ class _Task:
     retry_base_s: float
     retry_max_s: float
     adapter: str
+    max_future_s: float
 
 
 def _source_task(
@@ -196,7 +286,19 @@ def _source_task(
             if kind == "retries":
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
-            good, bad = parse_file(path.name, path.read_bytes(), kind)
+            content = path.read_bytes()
+            try:
+                good, bad = parse_file(path.name, content, kind)
+            except Exception as exc:  # a parser bug must cost one file, never the pipeline
+                log.error("%s: quarantined whole: %r", path, exc)
+                good = (QUERY_FIELDS if kind == "queries" else CLICK_FIELDS).empty_table()
+                bad = _unparsable_file(path.name, content, exc)
+            # Event time sanity at the door: an implausible stamp is decided in the batch it arrives in.
+            now = int(time.time() * US)
+            if kind == "queries" and _implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US)).any():
+                ts = good.column("ts_us").to_numpy()
+                good = good.filter(pa.array(~_implausible(ts, now, int(t.max_future_s * US))))
+                bad = pa.concat_tables([bad, _quarantine_implausible(path.name, content, kind, now, t.max_future_s)])
             if bad.num_rows:
                 name = f"{t.tag}-{kind[0]}{i:06d}.parquet"
                 atomic_write(_quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / name)
@@ -290,7 +392,16 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
             )
 
     if due.num_rows:
-        reg = _registry(dict(t.servers))
+        # Event time sanity at the door (by this worker's clock, read before the registry's own check, which has the
+        # same bound and so never refuses what passed here).
+        ts = due.column("click_ts_us").to_numpy()
+        now = int(time.time() * US)
+        ahead = ts > now + int(t.max_future_s * US)
+        give_up(due.filter(pa.array(ahead)), _future_reason(t.max_future_s))
+        give_up(due.filter(pa.array(ts < PLAUSIBLE_FROM_US)), REASON_BEFORE)
+        due = due.filter(pa.array(~_implausible(ts, now, int(t.max_future_s * US))))
+    if due.num_rows:
+        reg = _registry(dict(t.servers), t.max_future_s)
         # 2. registry pre-filter: someone else's click is dropped; ours (a retry after a crash) goes on.
         found = reg.lookup(due.column("click_id"))
         taken = found.registered & (found.tokens != t.token)
@@ -304,10 +415,13 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         miss = live.filter(pa.array(~hit))
         live_hit = live.filter(pa.array(hit))
         q = queries.filter(pa.array(hit))
-        # 4. adapter.
-        adapted = pa.Table.from_batches(
-            [
-                load_adapter(t.adapter)(
+        # 4. adapter: its contract is checked, and a broken adapter turns its clicks into unjoinable/ rows with its
+        # error as the reason, never into lost clicks or a failed batch.
+        adapted = ADAPTED_SCHEMA.empty_table()
+        if live_hit.num_rows:
+            try:
+                adapted = run_adapter(
+                    t.adapter,
                     pa.RecordBatch.from_pydict(
                         {
                             "click_id": live_hit.column("click_id").combine_chunks(),
@@ -320,13 +434,10 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
                             "country": q.column("country").combine_chunks(),
                             "ads": q.column("ads").combine_chunks(),
                         }
-                    )
+                    ),
                 )
-            ]
-            if live_hit.num_rows
-            else [],
-            ADAPTED_SCHEMA,
-        )
+            except Exception as exc:
+                give_up(live_hit, f"adapter {t.adapter} failed: {type(exc).__name__}: {str(exc)[:300]}")
         filtered = pc.is_valid(adapted.column("reason")).to_numpy(zero_copy_only=False)
         give_up(adapted.filter(pa.array(filtered)), adapted.column("reason").filter(pa.array(filtered)))
         keep = adapted.filter(pa.array(~filtered))
@@ -351,9 +462,13 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
                 atomic_write(out.select(JOINED_SCHEMA.names).cast(JOINED_SCHEMA), stage / JOINED / name)
                 latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
             counts["joined"] = n
-        # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay.
+        # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay, which
+        # runs from the click's time, but never from later than the maximum clock skew after it was first seen (a
+        # click stamped ahead waits no longer than an honest one), or from its recovery.
+        first_seen = miss.column("first_seen_us").to_numpy() + int(MAX_CLOCK_SKEW_S * US)
         since = np.maximum(
-            miss.column("click_ts_us").to_numpy(), pc.fill_null(miss.column("recovered_us"), 0).to_numpy()
+            np.minimum(miss.column("click_ts_us").to_numpy(), first_seen),
+            pc.fill_null(miss.column("recovered_us"), 0).to_numpy(),
         )
         late = t.now - since > t.max_join_delay_us
         give_up(miss.filter(pa.array(late)), REASON_TOO_LATE)
@@ -564,6 +679,7 @@ class Joiner:
             retry_base_s=self.s.retry_base_s,
             retry_max_s=self.s.retry_max_s,
             adapter=self.s.adapter,
+            max_future_s=self.s.max_future_s,
         )
 
     def _tasks(self, n: int) -> Any:
@@ -644,14 +760,18 @@ def publish_files(root: Path, tag: str) -> None:
     moves = [(stage / "eventstore", root / "_state" / "eventstore")]
     moves += [(stage / kind, root / kind) for kind in (JOINED, UNJOINABLE, QUARANTINE)]
     for src, dst in moves:
-        dst.mkdir(parents=True, exist_ok=True)
+        make_dirs(dst)
         if not src.is_dir():
             continue
+        touched: set[Path] = set()
         for part in sorted(src.rglob("*.parquet")):
             target = dst / part.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(target.parent)
             with contextlib.suppress(FileNotFoundError):
                 os.replace(part, target)
+            touched.add(target.parent)
+        for folder in sorted(touched):  # the renames are durable before the batch is marked published
+            fsync_dir(folder)
     shutil.rmtree(stage, ignore_errors=True)
 
 

@@ -39,7 +39,7 @@ from photon import registry_sql as q
 from photon.ids import EventKeys, InvalidEventIdError
 from photon.owners import Token
 from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error, is_transient
-from photon.settings import Settings, load_settings
+from photon.settings import MAX_FUTURE_S, Settings, load_settings
 from photon.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class RegistryOptions:
     backoff_max_s: float = 2.0
     connect_attempts: int = 3
     max_parallel: int = 8  # shards registered at once
-    max_future_s: float = 86_400.0
+    max_future_s: float = MAX_FUTURE_S  # the joiner refuses such clicks at its door with the same bound
     application_name: str = "photon-registry"
     fast_path: bool = True  # try the all-new bulk COPY first; False: always the conditional INSERT
     follow_layout: bool = True  # on StaleLayoutError reload the shard configuration and route again

@@ -8,6 +8,17 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+# Event time sanity, one bound for the whole project: server clocks are off by at most MAX_CLOCK_SKEW_S (EVENTS.md),
+# and the host judging an event (a joiner's executor, the registry client) may itself be off by up to the margin.
+# An event stamped further ahead than their sum is refused at the door (joiner) and by the registry alike.
+MAX_CLOCK_SKEW_S = 10.0
+FUTURE_MARGIN_S = 50.0
+MAX_FUTURE_S = MAX_CLOCK_SKEW_S + FUTURE_MARGIN_S
+# Nothing this project joins was logged before this (2010-01-01T00:00:00Z): an older stamp is a broken clock or
+# a corrupt line, not history.
+PLAUSIBLE_FROM_US = 1_262_304_000_000_000
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHOTON_", extra="ignore")
 
@@ -19,9 +30,9 @@ class Settings(BaseSettings):
     # Local state: the embedded PostgreSQL's data folder lives here.
     home: Path = Path(".photon")
     # Server clocks are off by at most this much (EVENTS.md).
-    max_clock_skew_s: float = 10.0
+    max_clock_skew_s: float = MAX_CLOCK_SKEW_S
     # Ids stamped further than this ahead of now are refused as implausible (a bad clock or a corrupt id).
-    max_future_s: float = 86_400.0
+    max_future_s: float = MAX_FUTURE_S
 
 
 def load_settings() -> Settings:

@@ -55,6 +55,7 @@ import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.audit import data_center_of
+from photon.durable import fsync_dir
 from photon.ids import EventKeys, format_id
 from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
 from photon.parse import parse_file
@@ -320,7 +321,7 @@ def verify_and_recover(
                 for path in intents:  # queries' intents come first: a recovered click finds its query
                     with contextlib.suppress(FileNotFoundError):  # a query intent another pass published already
                         os.replace(path, path.with_suffix(""))
-                    _fsync_dir(path.parent)
+                    fsync_dir(path.parent)
                 report.redispatched_files += [str(p.with_suffix("")) for p in intents if p.parent.name == "clicks"]
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
@@ -406,14 +407,6 @@ def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> 
     return lines
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_intents(logs: Path, dcs: list[str], kind: str, name: str, content: bytes) -> list[Path]:
     """Write ``<name>.inprogress`` into each data center's ``kind`` folder, synced with the folder; readers skip it
     until it is renamed. Every data center's folder must take it, or the pass stops before deleting anything."""
@@ -429,7 +422,7 @@ def _write_intents(logs: Path, dcs: list[str], kind: str, name: str, content: by
                 fh.write(content)
                 fh.flush()
                 os.fsync(fh.fileno())
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except OSError as exc:
             raise VerifyError(
                 f"cannot write recovered {kind} into {folder} ({exc}); no registry row was deleted"
@@ -456,7 +449,7 @@ def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[
                         if good.num_rows and bool((reg.lookup(good["click_id"]).tokens != 0).any()):
                             continue
                 os.replace(folder / n, folder / n.removesuffix(".inprogress"))
-                _fsync_dir(folder)
+                fsync_dir(folder)
 
 
 def _find_query_lines(click_lines: Any, logs: Path, dcs: list[str]) -> dict[str, bytes]:

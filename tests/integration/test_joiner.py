@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +18,10 @@ from photon.audit import audit
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
 from photon.pg import autocommit
-from photon.registry_admin import init_registry
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def servers(make_db: Callable[[], str], login_as: Callable[[str, str], str]) -> dict[str, str]:
-    """A fresh registry, reached as the joiner runs in production: a login holding only photon_joiner."""
-    dsn = make_db()
-    init_registry({"main": dsn}, num_shards=4)
-    return {"main": login_as(dsn, "photon_joiner")}
 
 
 def make_logs(root: Path, seconds: float = 20, rate: float = 600, **overrides: Any) -> Path:
@@ -225,6 +215,7 @@ def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int
         retry_base_s=1.0,
         retry_max_s=16.0,
         adapter="photon.adapter:default_adapter",
+        max_future_s=60.0,
     )
 
 

@@ -21,10 +21,25 @@ from photon.registry_admin import init_registry
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
-METRIC_COLUMNS = (
-    "query_files click_files queries clicks retries_in prefiltered joined won_again wasted retried unjoinable "
-    "quarantined cache_hits cache_lookups registry_txns registry_rows registry_retries"
-).split()
+METRIC_COLUMNS = [
+    "query_files",
+    "click_files",
+    "queries",
+    "clicks",
+    "retries_in",
+    "prefiltered",
+    "joined",
+    "won_again",
+    "wasted",
+    "retried",
+    "unjoinable",
+    "quarantined",
+    "cache_hits",
+    "cache_lookups",
+    "registry_txns",
+    "registry_rows",
+    "registry_retries",
+]
 
 
 def metrics(clicks: int, joined: int, wasted: int, latency_s: float) -> dict[str, float]:
@@ -116,7 +131,9 @@ def test_report_draws_live_pipelines_by_default_and_skips_charts_without_data(
     assert "pipelines: dc-a" in result.output and "backfill" not in result.output.split("\n")[0]
     assert sorted(p.name for p in home.iterdir()) == ["latency.png", "registry_batching.png", "shares.png"]
     assert "not drawn: shard_sizes.png" in result.output
-    chosen = CliRunner().invoke(app, ["report", "--pipeline", "backfill-dc-a-202611200000", "--to", str(tmp_path / "b")])
+    chosen = CliRunner().invoke(
+        app, ["report", "--pipeline", "backfill-dc-a-202611200000", "--to", str(tmp_path / "b")]
+    )
     assert chosen.exit_code == 0 and "pipelines: backfill-dc-a-202611200000" in chosen.output
     # Nothing in the range: no chart at all, and an older run's charts in the same folder are removed.
     empty = CliRunner().invoke(app, ["report", "--since", "2099-01-01T00:00:00Z"])

@@ -1,0 +1,46 @@
+"""Files that survive a power cut: written under a temporary name, fsynced, renamed, and the rename fsynced in its
+folder. A batch's files are durable before its PostgreSQL commit (a committed batch whose files a crash lost could
+never be published), and its publish renames are durable before it is marked published."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of ``folder`` (files created, renamed into or out of it) durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(folder: Path) -> None:
+    """``mkdir -p`` whose new folders are durable in their parents."""
+    missing = []
+    p = folder
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # another task made it; it syncs its own parent
+        fsync_dir(d.parent)
+
+
+def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` whole or not at all (readers and a retried task never see half of it), and durably."""
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
