@@ -618,13 +618,20 @@ def main() -> None:
         app(prog_name="photon")
     except Exception as exc:
         # The error classes are imported only now: their modules load Arrow, which `--help` does not need.
+        from photon.durable import CorruptStateError
         from photon.ids import InvalidEventIdError
         from photon.migrations import MigrationError
         from photon.pg import RegistryUnavailableError
         from photon.registry import RegistryError
 
         if not isinstance(
-            exc, RegistryError | RegistryUnavailableError | MigrationError | InvalidEventIdError | ValueError
+            exc,
+            RegistryError
+            | RegistryUnavailableError
+            | MigrationError
+            | InvalidEventIdError
+            | CorruptStateError
+            | ValueError,
         ):
             raise
         # Known failures get one clear line, not a traceback (-v logging still shows details): one line whatever

@@ -44,3 +44,26 @@ def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+class CorruptStateError(RuntimeError):
+    """A state file a committed batch wrote is unreadable: it was damaged after it was synced (a disk fault, a
+    manual change). The message names the file and what to do."""
+
+
+def check_parquet(path: Path, recover: str) -> None:
+    """Raise CorruptStateError naming ``path`` if it is empty or truncated (its footer is missing or unreadable)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        size = path.stat().st_size
+        if size < 12:
+            raise CorruptStateError(f"{path} is {'empty' if size == 0 else 'truncated'} ({size} bytes). {recover}")
+        with open(path, "rb") as fh:
+            fh.seek(-4, os.SEEK_END)
+            if fh.read(4) != b"PAR1":
+                raise CorruptStateError(f"{path} is truncated ({size} bytes, no Parquet footer). {recover}")
+        pq.ParquetFile(path).metadata  # noqa: B018  (reading the footer is the check)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptStateError(f"{path} cannot be read ({exc}). {recover}") from None

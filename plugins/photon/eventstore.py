@@ -22,10 +22,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.durable import write_durably
+from photon.durable import CorruptStateError, write_durably
 from photon.ids import valid_ids
 
 US = 1_000_000
+RECOVER_STORE = (
+    "It was synced before its batch committed, so it was damaged since. Restore it from a backup of the output "
+    "folder, or move it aside (mv FILE FILE.corrupt): the pipeline then goes on, and a click whose query was only in "
+    "it becomes unjoinable here (the other data center's pipeline can still join it)."
+)
 STORED_COLUMNS = ["query_id", "ts_us", "user_id", "query_text", "country", "ads"]
 
 
@@ -102,7 +107,10 @@ class EventStoreCache:
             changed = True
         for name in sorted(names):
             if name not in entry.files:
-                entry.files[name] = pq.read_table(names[name], columns=STORED_COLUMNS)
+                try:
+                    entry.files[name] = pq.read_table(names[name], columns=STORED_COLUMNS)
+                except (pa.ArrowInvalid, OSError) as exc:
+                    raise CorruptStateError(f"{names[name]} cannot be read ({exc}). {RECOVER_STORE}") from None
                 stats.files_read += 1
                 changed = True
         if changed or entry.table is None:

@@ -40,7 +40,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
-from photon.durable import fsync_dir, make_dirs
+from photon.durable import check_parquet, fsync_dir, make_dirs
+from photon.eventstore import RECOVER_STORE
 from photon.parse import BAD_FIELDS, CLICK_FIELDS, QUERY_FIELDS, Malformed, parse_click, parse_file, parse_query
 from photon.pipeline_state import Lease, PipelineState
 from photon.schemas import (
@@ -59,6 +60,12 @@ US = 1_000_000
 
 REASON_TOO_LATE = "query not found within the maximum join delay"
 REASON_GC = "older than the registry's garbage-collection threshold"
+RECOVER_RETRIES = (
+    "It was synced before its batch committed, so it was damaged since. Restore it from a backup of the output "
+    "folder, or move it aside (mv FILE FILE.corrupt): the pipeline then goes on, and the clicks that were waiting in "
+    "it get no outcome from this pipeline (the other data center's can still join them; `photon audit` lists any "
+    "click left without an outcome)."
+)
 REASON_BEFORE = "stamped before 2010-01-01: not a plausible time"
 JOIN_COUNTS = (
     "clicks",
@@ -556,8 +563,24 @@ class Joiner:
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
+        self._check_state()
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
+
+    def _check_state(self) -> None:
+        """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
+        (a damaged disk), rather than failing every batch of every lease on it."""
+        if self.retry_dir is not None:
+            for p in sorted(self.retry_dir.glob("*.parquet")):
+                check_parquet(p, RECOVER_RETRIES)
+        store = self.state_dir / "eventstore"
+        if store.is_dir():  # the buckets the workers' caches hold: the newest ones
+            buckets = sorted(
+                (d for d in store.iterdir() if d.name.startswith("bucket=")), key=lambda d: int(d.name[7:])
+            )
+            for d in buckets[-self.s.cache_buckets :]:
+                for p in sorted(d.glob("*.parquet")):
+                    check_parquet(p, RECOVER_STORE)
 
     @staticmethod
     def _tag(batch: int, epoch: int) -> str:

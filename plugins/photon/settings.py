@@ -7,7 +7,6 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 # Event time sanity, one bound for the whole project: server clocks are off by at most MAX_CLOCK_SKEW_S (EVENTS.md),
 # and the host judging an event (a joiner's executor, the registry client) may itself be off by up to the margin.
 # An event stamped further ahead than their sum is refused at the door (joiner) and by the registry alike.

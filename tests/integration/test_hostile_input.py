@@ -212,3 +212,39 @@ def test_a_file_the_parser_still_chokes_on_is_quarantined_whole_and_the_batch_go
     (whole,) = outputs(task, QUARANTINE)
     assert whole["file"] == poison.name and whole["line"] == 0 and "RecursionError" in whole["reason"]
     assert whole["raw_bytes"] == poison.stat().st_size
+
+
+def test_a_truncated_or_empty_state_file_at_lease_start_is_a_clear_error_naming_it(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """Files are synced before their batch commits, so only a damaged disk (or a person) leaves one like this. The
+    lease stops at its start naming the file and what to do, instead of failing every batch on it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from photon.durable import CorruptStateError
+    from photon.joiner import Joiner, JoinSettings
+    from tests.integration.test_joiner import ROOT, make_logs
+
+    logs = make_logs(tmp_path / "logs", seconds=6, lost_query_fraction=0.0, malformed_fraction=0.0)
+    shutil.rmtree(logs / "dc-a" / "queries")  # the clicks wait for queries that have not arrived: a retry set
+    (logs / "dc-a" / "queries").mkdir()
+    out = tmp_path / "out"
+    settings = JoinSettings(max_join_delay_s=86_400, trigger_interval_s=0.1)
+    assert Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True)
+    (retry,) = sorted((out / "dc-a" / "_state" / "retries").glob("*/*.parquet"))[-1:]
+    retry.write_bytes(retry.read_bytes()[: retry.stat().st_size // 2])
+    with pytest.raises(CorruptStateError, match=rf"{retry}.*truncated.*move it aside"):
+        Joiner("dc-a", logs, out, servers, spark, settings).start()
+    retry.write_bytes(b"")
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": servers["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
+    result = subprocess.run([*cmd, "--until-caught-up"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]  # one line (Spark logs above it)
+    assert f"{retry} is empty" in line and "move it aside" in line
+    # Moved aside as the message says, the pipeline goes on.
+    retry.rename(retry.with_name(retry.name + ".corrupt"))
+    Joiner("dc-a", logs, out, servers, spark, settings).start()
