@@ -46,6 +46,15 @@ _WORDS = tuple(
     "tomorrow car rental insurance jobs remote python tutorial café crème brûlée 東京 ホテル münchen zürich "
     "garden chair bike repair coffee beans tea vegan recipes yoga mat headphones wireless tv sale".split()
 )
+# Every word non-ASCII, in several scripts (2 to 3 bytes a character in UTF-8): long query texts of this kind are
+# the hard case for a JSON reader (``--set query_vocabulary=non_ascii --set query_words_max=60``).
+_NON_ASCII_WORDS = tuple(
+    "günstige flüge münchen zürich straße größe schön café crème brûlée déjà façade naïve señor año mañana "  # noqa: SIM905
+    "jalapeño łódź kraków żółty świeże отель москва дешёвые билеты погода завтра ремонт велосипеда "
+    "ξενοδοχείο αθήνα καιρός αύριο 東京 ホテル 格安 航空券 天気 明日 北京 酒店 便宜 机票 서울 호텔 날씨 항공권 "
+    "القاهرة فندق رحلات طقس".split()
+)
+_VOCABULARIES = {"mixed": _WORDS, "non_ascii": _NON_ASCII_WORDS}
 _COUNTRIES = ("DE", "FR", "GB", "US", "JP", "CH", "NL", "ES", "IT", "PL")
 
 
@@ -74,6 +83,9 @@ class GeneratorSettings:
     query_servers: int = 8
     click_servers: int = 4
     ads_per_query: float = 3.0  # mean of a Poisson, clipped to 1..8
+    query_words_min: int = 1  # words per query text, uniform in [min, max]
+    query_words_max: int = 4
+    query_vocabulary: str = "mixed"  # "mixed": mostly ASCII, a few accented and CJK words; "non_ascii": every word
     clicks_per_query: float = 0.1  # mean clicks per query (click-through rate)
     click_delay_median_s: float = 4.0  # most clicks come seconds after their query...
     click_delay_sigma: float = 1.0
@@ -125,6 +137,10 @@ class GeneratorSettings:
         ):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1)")
+        if not 1 <= self.query_words_min <= self.query_words_max:
+            raise ValueError("query_words_min and query_words_max: 1 <= min <= max")
+        if self.query_vocabulary not in _VOCABULARIES:
+            raise ValueError(f"query_vocabulary {self.query_vocabulary!r}: one of {sorted(_VOCABULARIES)}")
         if self.huge_line_bytes <= MAX_LINE_BYTES:
             raise ValueError(f"huge_line_bytes must exceed the {MAX_LINE_BYTES}-byte line limit to be malformed")
         unknown = set(self.malformed_weights) - set(MALFORMED_KINDS)
@@ -288,10 +304,13 @@ class World:
                 "query_seq": qseq[owner],
             }
         )
-        words = pa.array(_WORDS, pa.string())
-        n_words = rng.integers(1, 5, n)
+        vocabulary = _VOCABULARIES[s.query_vocabulary]
+        words = pa.array(vocabulary, pa.string())
+        n_words = rng.integers(s.query_words_min, s.query_words_max + 1, n)
         w_offsets = np.r_[0, np.cumsum(n_words)]
-        text = _join_lists(w_offsets, pc.take(words, pa.array(rng.integers(0, len(_WORDS), int(w_offsets[-1])))), " ")
+        text = _join_lists(
+            w_offsets, pc.take(words, pa.array(rng.integers(0, len(vocabulary), int(w_offsets[-1])))), " "
+        )
         ads = _join_lists(ad_offsets, pc.take(self.ad_json, ad_idx), ", ")
         line = _concat(
             '{"query_id": "',
@@ -776,8 +795,17 @@ def _drain(pending: list[Any], logs: Path, sleep: Callable[[float], None], until
             sleep(min(0.05, max(0.0, until_us / US - time.time())))
 
 
+# Settings added after manifests were first written: a run that keeps their defaults leaves them out of its
+# manifest and run id, so its manifest stays byte-identical to one written before they existed.
+_LATER_SETTINGS = ("query_words_min", "query_words_max", "query_vocabulary")
+
+
 def _jsonable(settings: GeneratorSettings) -> dict[str, Any]:
     d = asdict(settings)
     d["dcs"] = list(settings.dcs)
     d["outages"] = [asdict(o) for o in settings.outages]
+    defaults = {f.name: f.default for f in fields(GeneratorSettings)}
+    for name in _LATER_SETTINGS:
+        if d[name] == defaults[name]:
+            del d[name]
     return d
