@@ -32,7 +32,7 @@ DAGS = ROOT / "dags"
 EXPECTED = {
     "photon_join_dc_a": ("ContinuousTimetable", ["joiner_lease"], 1),
     "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 1),
-    "photon_backfill": ("CronDataIntervalTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
+    "photon_backfill": ("BackfillOnlyTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
     "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
     "photon_verify_recover": ("DeltaTriggerTimetable", ["verify_and_recover"], 1),

@@ -105,11 +105,15 @@ def backfill_dag() -> DAG:
     """Joins the logs of each data interval until caught up, one pipeline per data center and interval
     (``backfill-<dc>-<interval start as YYYYmmddHHMM>``), for ``airflow backfill create``. Safe to rerun and to run
     beside the live joiners: the registry lets each click into the output once, whichever pipeline registers it
-    first."""
+    first. Hourly intervals that only a backfill walks (``BackfillOnlyTimetable``): the scheduler never runs it by
+    itself, so the DAG is created unpaused and a backfill's runs start at once."""
+    from photon.airflow.timetables import BackfillOnlyTimetable
+
     with _dag(
         dag_id="photon_backfill",
         description="Photon backfill: join one interval of historical logs",
-        schedule=HOURLY,
+        schedule=BackfillOnlyTimetable(),
+        is_paused_upon_creation=False,
         max_active_runs=1,
         tags=["photon", "backfill"],
         default_args=retries(),
