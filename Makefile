@@ -74,9 +74,11 @@ shell: setup
 demo: setup
 	"$(PY)" -m photon demo
 
-# Airflow standalone with the project's DAGs on the embedded defaults (or PHOTON_REGISTRY_DSN); Ctrl-C stops it.
+# Airflow with the project's DAGs (api-server on 127.0.0.1:8080, scheduler, DAG processor, triggerer; LocalExecutor,
+# metadata on PostgreSQL) on the embedded defaults or PHOTON_REGISTRY_DSN; Ctrl-C or SIGTERM stops all of it.
+# Options: AIRFLOW_ARGS="--port 8090 --host 0.0.0.0 --parallelism 12".
 airflow: setup
-	"$(PY)" -m photon airflow
+	"$(PY)" -m photon airflow $(AIRFLOW_ARGS)
 
 bench-registry: setup
 	"$(PY)" -m bench.registry $(BENCH_ARGS)

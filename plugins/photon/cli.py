@@ -567,50 +567,22 @@ def demo(
 
 @app.command("airflow")
 def airflow_cmd(
-    port: Annotated[int, typer.Option(help="The Airflow UI's port.")] = 8080,
+    port: Annotated[int, typer.Option(help="The UI and API's port.")] = 8080,
+    host: Annotated[str, typer.Option(help="The interface the UI and API bind to (0.0.0.0: every one).")] = (
+        "127.0.0.1"
+    ),
+    parallelism: Annotated[
+        int | None, typer.Option(help="LocalExecutor slots (default: one per joiner DAG + max(6, 2 per core)).")
+    ] = None,
+    metadata_db: Annotated[str, typer.Option(help="Airflow's metadata database, on the registry's server.")] = (
+        "airflow"
+    ),
 ) -> None:
-    """Run `airflow standalone` with the project's DAGs: connections from the environment (the registry from
-    PHOTON_REGISTRY_DSN, or the embedded server, kept up while Airflow runs; spark_default = local[*])."""
-    import os
-    import subprocess
+    """Airflow with the project's DAGs on this machine: metadata on PostgreSQL (the embedded server, or the one
+    PHOTON_REGISTRY_DSN names), the LocalExecutor, the UI on 127.0.0.1. SIGINT or SIGTERM stops every process."""
+    from photon.airflow.standalone import serve
 
-    from psycopg2.extensions import parse_dsn
-
-    from photon.pg import redact
-    from photon.registry_admin import init_registry
-
-    settings = load_settings()
-    servers = servers_from_settings(settings)
-    init_registry(servers)
-    root = Path(__file__).resolve().parents[2]
-    home = settings.home.resolve()
-    p = parse_dsn(servers["main"])
-    registry = {"conn_type": "postgres", "host": p.get("host"), "login": p.get("user"), "schema": p.get("dbname")}
-    registry |= {k: v for k, v in (("port", p.get("port")), ("password", p.get("password"))) if v}
-    if len(servers) > 1:
-        registry["extra"] = json.dumps({"servers": {k: v for k, v in servers.items() if k != "main"}})
-    bin_dir = str(Path(sys.executable).parent)
-    env = os.environ | {
-        "AIRFLOW_HOME": os.environ.get("AIRFLOW_HOME", str(home / "airflow")),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW_CONN_PHOTON_REGISTRY": json.dumps(registry),
-        "AIRFLOW_CONN_SPARK_DEFAULT": os.environ.get(
-            "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
-        ),
-        "AIRFLOW_VAR_PHOTON_LOGS": os.environ.get("AIRFLOW_VAR_PHOTON_LOGS", str(home / "logs")),
-        "AIRFLOW_VAR_PHOTON_OUT": os.environ.get("AIRFLOW_VAR_PHOTON_OUT", str(home / "out")),
-        "PHOTON_HOME": str(home),
-        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join([str(root / "plugins"), str(root)]),
-    }
-    console.print(f"registry: {redact(servers['main'])}; Airflow home: {env['AIRFLOW_HOME']}")
-    console.print(f"UI: http://localhost:{port} (user admin; the password is printed below and kept in")
-    console.print(f"{env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)")
-    console.print(f"logs: {env['AIRFLOW_VAR_PHOTON_LOGS']}  output: {env['AIRFLOW_VAR_PHOTON_OUT']}")
-    raise typer.Exit(subprocess.call([str(Path(bin_dir) / "airflow"), "standalone"], env=env))
+    raise typer.Exit(serve(host=host, port=port, parallelism=parallelism, metadata_db=metadata_db))
 
 
 def main() -> None:

@@ -1,0 +1,538 @@
+"""``photon airflow``: Airflow on this machine, the way a data engineer runs it on a laptop or a single server.
+
+- Metadata on PostgreSQL, never SQLite: its own database (``airflow`` by default) on the registry's server, that is
+  the embedded PostgreSQL under ``PHOTON_HOME`` or the server ``PHOTON_REGISTRY_DSN`` names (created if missing).
+  ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``, when set, is used as it is.
+- The LocalExecutor, with enough slots for every data center's joiner lease (they hold a slot all the time) plus the
+  backfill, data-quality, GC and verify tasks (``default_parallelism``).
+- The four components run as separate processes, each in its own session: ``api-server`` (bound to 127.0.0.1 unless
+  told otherwise), ``scheduler``, ``dag-processor`` and ``triggerer``; the scheduler and the triggerer without their
+  log servers (the API server reads task logs from the local files; a log server listens on every interface).
+- SIGINT or SIGTERM stops all of it: the scheduler, DAG processor and triggerer first (the task supervisors forward
+  SIGTERM to their tasks, whose ``on_kill`` stops spark-submit), then the API server, which the tasks report their end
+  to; whatever is left of the process tree (a task runs in its own process group, Spark's JVM and Python workers
+  below it) gets SIGTERM and, after a short wait, SIGKILL. On Linux this process is a child subreaper, so a process
+  whose parent died is still found in its tree. Then the embedded PostgreSQL stops (when no other process holds it).
+
+Nothing here imports Airflow: the components are started with the ``airflow`` executable beside this Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+import psycopg2.extensions
+
+# Stopped first: they run the tasks. The API server goes last, so that the tasks can report how they ended.
+WORKERS: dict[str, list[str]] = {
+    "scheduler": ["scheduler", "--skip-serve-logs"],
+    "dag-processor": ["dag-processor"],
+    "triggerer": ["triggerer", "--skip-serve-logs"],
+}
+ROOT = Path(__file__).resolve().parents[3]
+PR_SET_CHILD_SUBREAPER = 36
+
+
+_OUTPUT = threading.Lock()  # one line at a time: the components' relays and this process's own messages
+
+
+def emit(name: str, line: str, out: IO[str] | None = None) -> None:
+    """One line of output, prefixed with who said it (as ``airflow standalone`` does)."""
+    with _OUTPUT:
+        stream = out or sys.stdout
+        stream.write(f"{name:<13}| {line}\n")
+        stream.flush()
+
+
+def default_parallelism(data_centers: int, cpus: int | None = None) -> int:
+    """LocalExecutor slots: one per data center for its joiner lease (a lease holds its slot for minutes, and the
+    next starts at once), plus max(6, 2 per core) for the rest: a backfill run's task per data center, the
+    data-quality checkpoint, GC, verify and reshard."""
+    return data_centers + max(6, 2 * (cpus or os.cpu_count() or 1))
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """Airflow's ``sql_alchemy_conn`` for a libpq DSN or URI (a Unix-socket host goes in the query, as libpq takes
+    it)."""
+    from sqlalchemy.engine import URL
+
+    p = psycopg2.extensions.parse_dsn(dsn)
+    host = p.get("host") or None
+    query: dict[str, str] = {}
+    if host and host.startswith("/"):
+        query["host"] = host  # libpq's socket folder; the port names the socket file in it
+        host = None
+    for key in ("port", "sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout"):
+        if key in p and (key != "port" or host is None):
+            query[key] = p[key]
+    url = URL.create(
+        "postgresql+psycopg2",
+        username=p.get("user") or None,
+        password=p.get("password") or None,
+        host=host,
+        port=int(p["port"]) if p.get("port") and host else None,
+        database=p.get("dbname") or None,
+        query=query,
+    )
+    return url.render_as_string(hide_password=False)
+
+
+def registry_connection(servers: Mapping[str, str]) -> str:
+    """The ``photon_registry`` connection (Airflow's JSON form) for the registry's servers."""
+    p = psycopg2.extensions.parse_dsn(servers["main"])
+    conn: dict[str, Any] = {"conn_type": "postgres", "host": p.get("host"), "login": p.get("user")}
+    conn["schema"] = p.get("dbname")
+    conn |= {k: v for k, v in (("port", p.get("port")), ("password", p.get("password"))) if v}
+    if len(servers) > 1:
+        conn["extra"] = json.dumps({"servers": {k: v for k, v in servers.items() if k != "main"}})
+    return json.dumps(conn)
+
+
+@dataclass(frozen=True)
+class LocalAirflow:
+    """What ``photon airflow`` runs, and where."""
+
+    airflow_home: Path
+    photon_home: Path
+    metadata_url: str
+    registry: Mapping[str, str]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallelism: int = 8
+    grace_s: float = 30.0
+
+    @property
+    def url(self) -> str:
+        """Where this machine's clients (the tasks' execution API calls, the readiness check) reach the server."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def options(self) -> dict[str, dict[str, str]]:
+        """This deployment's Airflow settings, by section: written into ``airflow.cfg`` (so that any ``airflow``
+        command run with this ``AIRFLOW_HOME``, e.g. ``airflow backfill create``, reaches the same metadata database
+        and reads the same DAGs and plugins) and given to the components in their environment."""
+        return {
+            "core": {
+                "dags_folder": str(ROOT / "dags"),
+                "plugins_folder": str(ROOT / "plugins"),
+                "load_examples": "False",
+                "executor": "LocalExecutor",
+                "parallelism": str(self.parallelism),
+                "execution_api_server_url": f"{self.url}/execution/",
+                "auth_manager": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+            },
+            "database": {"sql_alchemy_conn": self.metadata_url},
+            "api": {"host": self.host, "port": str(self.port)},
+        }
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment every component runs in: the caller's, with this deployment's settings on top (a
+        connection or Variable the caller set is kept)."""
+        base = dict(os.environ if base is None else base)
+        bin_dir = str(Path(sys.executable).parent)
+        env = base | {
+            f"AIRFLOW__{section.upper()}__{key.upper()}": value
+            for section, values in self.options().items()
+            for key, value in values.items()
+        }
+        if "AIRFLOW_CONN_SPARK_DEFAULT" not in base:
+            # local[*]: the Spark driver started by spark-submit stays on loopback (the default is the address the
+            # hostname resolves to, reachable from outside). A cluster's spark_default keeps the machine's address.
+            env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        return env | {
+            "AIRFLOW_HOME": str(self.airflow_home),
+            "AIRFLOW_CONN_PHOTON_REGISTRY": base.get(
+                "AIRFLOW_CONN_PHOTON_REGISTRY", registry_connection(self.registry)
+            ),
+            "AIRFLOW_CONN_SPARK_DEFAULT": base.get(
+                "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
+            ),
+            "AIRFLOW_VAR_PHOTON_LOGS": base.get("AIRFLOW_VAR_PHOTON_LOGS", str(self.photon_home / "logs")),
+            "AIRFLOW_VAR_PHOTON_OUT": base.get("AIRFLOW_VAR_PHOTON_OUT", str(self.photon_home / "out")),
+            "PHOTON_HOME": str(self.photon_home),
+            "PATH": os.pathsep.join([bin_dir, base.get("PATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]),
+        }
+
+    @property
+    def config_file(self) -> Path:
+        return self.airflow_home / "airflow.cfg"
+
+    def component_commands(self) -> dict[str, list[str]]:
+        airflow = str(Path(sys.executable).parent / "airflow")
+        commands = {name: [airflow, *args] for name, args in WORKERS.items()}
+        return commands | {"api-server": [airflow, "api-server", "--host", self.host, "--port", str(self.port)]}
+
+    @property
+    def password_file(self) -> Path:
+        return self.airflow_home / "simple_auth_manager_passwords.json.generated"
+
+
+def write_config(path: Path, options: Mapping[str, Mapping[str, str]]) -> None:
+    """Set ``options`` in an ``airflow.cfg``, keeping every other line (Airflow's comments and defaults) as it is.
+    Values are escaped for Airflow's config parser (``%`` is ``%%``)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    pending = {section: dict(values) for section, values in options.items()}
+    out: list[str] = []
+    section: str | None = None
+
+    def flush(name: str | None) -> None:
+        for key, value in pending.pop(name, {}).items() if name is not None else ():
+            out.append(f"{key} = {value.replace('%', '%%')}")
+
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("[") and stripped.endswith("]"):
+            flush(section)
+            section = stripped[1:-1].strip()
+        elif section in pending and "=" in stripped and not stripped.startswith(("#", ";")):
+            key = stripped.split("=", 1)[0].strip()
+            if key in pending[section]:
+                out.append(f"{key} = {pending[section].pop(key).replace('%', '%%')}")
+                continue
+        out.append(line)
+    flush(section)
+    for name in list(pending):
+        out.append(f"[{name}]")
+        flush(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold a database password
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(out) + "\n")
+    os.replace(tmp, path)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def health(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The API server's ``/api/v2/monitor/health`` (no login needed), or None while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=timeout) as r:
+            return dict(json.load(r))
+    except (OSError, ValueError):
+        return None
+
+
+def is_healthy(report: Mapping[str, Any] | None) -> bool:
+    if not report:
+        return False
+    parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+    return all((report.get(p) or {}).get("status") == "healthy" for p in parts)
+
+
+def become_subreaper() -> bool:
+    """Linux: orphaned descendants are re-parented to this process instead of init, so the tree stays findable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+class Supervisor:
+    """Starts the components, relays their output, and stops the whole process tree."""
+
+    def __init__(self, deployment: LocalAirflow, env: Mapping[str, str], out: IO[str] | None = None):
+        self.deployment = deployment
+        self.env = dict(env)
+        self.out = out or sys.stdout
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._threads: list[threading.Thread] = []
+        self._seen: dict[int, float] = {}  # every descendant seen: pid -> create time (a reused pid is not ours)
+
+    def say(self, name: str, line: str) -> None:
+        emit(name, line, self.out)
+
+    def migrate(self) -> None:
+        """``airflow db migrate`` (creates or upgrades the metadata schema; idempotent)."""
+        airflow = str(Path(sys.executable).parent / "airflow")
+        r = subprocess.run([airflow, "db", "migrate"], env=self.env, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"airflow db migrate failed:\n{(r.stdout + r.stderr)[-3000:]}")
+
+    def start(self) -> None:
+        for name, cmd in self.deployment.component_commands().items():
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own session and process group: the terminal's Ctrl-C reaches us only
+            )
+            self.procs[name] = proc
+            t = threading.Thread(target=self._relay, args=(name, proc), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _relay(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            self.say(name, raw.decode("utf-8", "replace").rstrip())
+
+    def exited(self) -> dict[str, int]:
+        return {name: rc for name, p in self.procs.items() if (rc := p.poll()) is not None}
+
+    def tree(self) -> list[psutil.Process]:
+        """Every live process below this one (and any seen before whose parent died), zombies reaped."""
+        me = psutil.Process()
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.Error):
+            for p in me.children(recursive=True):
+                found[p.pid] = p
+        for pid, created in list(self._seen.items()):
+            if pid not in found:
+                try:
+                    p = psutil.Process(pid)
+                    if p.create_time() == created:
+                        found[pid] = p
+                except psutil.Error:
+                    pass
+        alive = []
+        for pid, p in found.items():
+            try:
+                self._seen.setdefault(pid, p.create_time())
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    self._reap(p)
+                    continue
+            except psutil.Error:
+                continue
+            alive.append(p)
+        return alive
+
+    def _reap(self, p: psutil.Process) -> None:
+        if any(proc.pid == p.pid for proc in self.procs.values()):
+            return  # Popen reaps its own
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(p.pid, os.WNOHANG)
+
+    def stop(self, on_step: Callable[[str], None] | None = None) -> None:
+        step = on_step or (lambda _msg: None)
+        self.tree()  # record the tree before anything exits
+        workers = [self.procs[n] for n in WORKERS if n in self.procs]
+        step("stopping the scheduler, DAG processor and triggerer (running tasks get SIGTERM)")
+        self._signal_groups(workers, signal.SIGTERM)
+        self._wait(lambda: all(p.poll() is not None for p in workers), self.deployment.grace_s)
+        self._signal_groups(workers, signal.SIGKILL)
+        api = [p for n, p in self.procs.items() if n not in WORKERS]
+        step("stopping the API server")
+        self._signal_groups(api, signal.SIGTERM)
+        self._wait(lambda: all(p.poll() is not None for p in api), 15.0)
+        self._signal_groups(api, signal.SIGKILL)
+        left = self.tree()
+        if left:
+            step(f"{len(left)} process(es) left in the tree: SIGTERM, then SIGKILL")
+            self._send(left, signal.SIGTERM)
+            self._wait(lambda: not self.tree(), 5.0)
+            self._send(self.tree(), signal.SIGKILL)
+            self._wait(lambda: not self.tree(), 5.0)
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        for t in self._threads:
+            t.join(timeout=2)
+
+    @staticmethod
+    def _signal_groups(procs: Iterable[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)  # each component leads its own process group
+
+    @staticmethod
+    def _send(procs: Iterable[psutil.Process], sig: signal.Signals) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+
+    def _wait(self, done: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs.values():
+                p.poll()
+            if done():
+                return
+            time.sleep(0.2)
+
+
+def data_centers() -> list[str]:
+    """``PHOTON_DCS``, read as ``photon.airflow.dags.data_centers`` reads it (that module imports Airflow)."""
+    return [d.strip() for d in os.environ.get("PHOTON_DCS", "dc-a,dc-b").split(",") if d.strip()]
+
+
+class _Stop(Exception):
+    """SIGINT, SIGTERM or SIGHUP arrived."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """SIGINT, SIGTERM and SIGHUP raise ``_Stop``, once: after the first, or once the returned event is set (the
+    stopping has begun), they change nothing, so that nothing interrupts a stop half-way."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            raise _Stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield stopping
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run(deployment: LocalAirflow, *, say: Callable[[str], None], stopping: threading.Event) -> int:
+    """Migrate, start the components, relay their output until ``_Stop`` (exit status 0) or until one exits on its
+    own (its status, or 1); every process started is gone when this returns."""
+    sup = Supervisor(deployment, deployment.environment())
+    started = time.monotonic()
+    status = 0
+    try:
+        if port_in_use(deployment.host, deployment.port):
+            raise RuntimeError(f"port {deployment.port} on {deployment.host} is in use: choose another with --port")
+        become_subreaper()
+        say("migrating the metadata database (airflow db migrate)")
+        sup.migrate()  # the first airflow command also writes AIRFLOW_HOME/airflow.cfg with Airflow's defaults
+        write_config(deployment.config_file, deployment.options())
+        sup.start()
+        ready = False
+        while True:
+            if gone := sup.exited():
+                say(f"stopping: {', '.join(f'{n} exited with status {rc}' for n, rc in gone.items())}")
+                status = next(iter(gone.values())) or 1
+                break
+            if not ready and is_healthy(health(deployment.url)):
+                ready = True
+                took = time.monotonic() - started
+                say(f"ready after {took:.1f}s: {deployment.url} (user admin, {password_hint(deployment)})")
+                say(f"other airflow commands: AIRFLOW_HOME={deployment.airflow_home} airflow ...")
+            sup.tree()  # keep the record of descendants current, reap zombies
+            time.sleep(1.0)
+    except _Stop as sig:
+        say(f"{sig}: stopping every Airflow process")
+    except RuntimeError as exc:
+        say(f"error: {exc}")
+        status = 2
+    finally:
+        stopping.set()
+        t0 = time.monotonic()
+        sup.stop(on_step=say)
+        left = sup.tree()
+        took = time.monotonic() - t0
+        say(f"Airflow stopped in {took:.1f}s" + (f"; {len(left)} process(es) would not die" if left else ""))
+    return status
+
+
+def password_hint(deployment: LocalAirflow) -> str:
+    try:
+        passwords = json.loads(deployment.password_file.read_text())
+        return f"password {passwords['admin']}, kept in {deployment.password_file}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"password in {deployment.password_file}"
+
+
+def serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    parallelism: int | None = None,
+    metadata_db: str = "airflow",
+    grace_s: float = 30.0,
+    say: Callable[[str], None] = lambda line: emit("photon", line),
+) -> int:
+    """``photon airflow``: the registry (initialised), Airflow's metadata database beside it, the components; returns
+    the exit status once everything it started has stopped, the embedded PostgreSQL included."""
+    from photon.pg import EmbeddedPostgres, redact
+    from photon.registry import servers_from_settings
+    from photon.registry_admin import init_registry
+    from photon.settings import load_settings
+
+    settings = load_settings()
+    embedded: EmbeddedPostgres | None = None
+    with _stop_on_signals() as stopping:
+        try:
+            if settings.registry_dsn is None:
+                embedded = EmbeddedPostgres(settings.home / "postgres")
+                settings = settings.model_copy(update={"registry_dsn": embedded.start()})
+            servers = servers_from_settings(settings)
+            init_registry(servers)
+            metadata = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or sqlalchemy_url(
+                metadata_database(embedded.admin_dsn if embedded is not None else servers["main"], metadata_db)
+            )
+            home = settings.home.resolve()
+            deployment = LocalAirflow(
+                airflow_home=Path(os.environ.get("AIRFLOW_HOME", str(home / "airflow"))).resolve(),
+                photon_home=home,
+                metadata_url=metadata,
+                registry=servers,
+                host=host,
+                port=port,
+                parallelism=parallelism or default_parallelism(len(data_centers())),
+                grace_s=grace_s,
+            )
+            env = deployment.environment()
+            say(f"registry: {redact(servers['main'])}")
+            say(f"metadata: {redact_url(metadata)}; LocalExecutor, parallelism {deployment.parallelism}")
+            say(f"Airflow home: {deployment.airflow_home}; UI and API on {host}:{port}")
+            say(f"logs: {env['AIRFLOW_VAR_PHOTON_LOGS']}  output: {env['AIRFLOW_VAR_PHOTON_OUT']}")
+            return run(deployment, say=say, stopping=stopping)
+        except _Stop as sig:
+            say(f"{sig}: stopping before Airflow started")
+            return 0
+        except RuntimeError as exc:
+            say(f"error: {exc}")
+            return 2
+        finally:
+            stopping.set()
+            if embedded is not None:
+                embedded.stop()
+                say(f"embedded PostgreSQL in {embedded.folder}: released (stopped unless another process holds it)")
+
+
+def metadata_database(admin_dsn: str, name: str) -> str:
+    """Airflow's metadata database on the registry's server, created if missing; its DSN."""
+    from photon.pg import create_database, redact
+
+    try:
+        return create_database(admin_dsn, name)
+    except psycopg2.Error as exc:
+        raise RuntimeError(
+            f"cannot create Airflow's metadata database {name!r} on {redact(admin_dsn)}: {str(exc).strip()}. Create it "
+            "(or name another with --metadata-db), or set AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"
+        ) from exc
+
+
+def redact_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL is Airflow's to reject
+        return "<sql_alchemy_conn>"

@@ -1,0 +1,476 @@
+"""``photon airflow`` for real, as a subprocess: Airflow's metadata on PostgreSQL (the embedded server under a
+temporary PHOTON_HOME, or a database of its own on the test server), the LocalExecutor, the UI and API on 127.0.0.1
+only, and SIGTERM or SIGINT to its PID leaving no process, no listening port and no embedded server behind. Then a
+backfill with ``airflow backfill create`` against the running scheduler while a joiner lease runs, its runs
+succeeding and its pipelines' output audited, an hour re-run, and the whole tree stopped mid-lease."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from configparser import ConfigParser
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg2
+import pyarrow.parquet as pq
+import pytest
+
+from photon.airflow.standalone import default_parallelism, registry_connection
+from photon.audit import audit
+from photon.pg import autocommit, drop_database
+from photon.registry_admin import init_registry
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+WILDCARD = {"0.0.0.0", "::", ""}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def photon_env(home: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment without this test session's own Airflow settings (conftest points AIRFLOW_HOME at a
+    throwaway SQLite home for the in-process tests): ``photon airflow`` sets up its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env |= {"PHOTON_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])}
+    env["PHOTON_TASK_RETRIES"] = "0"  # a failing task fails the test at once
+    return env | extra
+
+
+class PhotonAirflow:
+    """``python -m photon airflow`` started as a subprocess; every process of its tree is recorded while it runs."""
+
+    def __init__(self, home: Path, env: dict[str, str], *args: str):
+        self.home = home
+        self.port = free_port()
+        self.log = home.parent / f"photon-airflow-{self.port}.log"
+        home.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "photon", "airflow", "--port", str(self.port), *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.log, "wb"),  # noqa: SIM115 - closed with the process
+            stderr=subprocess.STDOUT,
+        )
+        self.seen: dict[int, tuple[float, str]] = {self.proc.pid: (psutil.Process(self.proc.pid).create_time(), "")}
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._record, daemon=True)
+        self._watch.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _record(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                for p in psutil.Process(self.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        self.seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline())[:150]))
+            self._stop.wait(0.5)
+
+    def tail(self, n: int = 6000) -> str:
+        return self.log.read_bytes()[-n:].decode("utf-8", "replace")
+
+    def wait_ready(self, timeout: float = 240.0) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"photon airflow exited with {self.proc.returncode}:\n{self.tail()}"
+            if "ready after" in self.log.read_text(errors="replace"):
+                return time.monotonic() - self.started
+            time.sleep(1)
+        raise AssertionError(f"not ready after {timeout}s:\n{self.tail()}")
+
+    def alive(self) -> list[psutil.Process]:
+        """Recorded processes still running (a reused pid is told apart by its start time; zombies are dead)."""
+        left = []
+        for pid, (created, _) in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+        return left
+
+    def listeners(self) -> list[Any]:
+        pids = {p.pid for p in self.alive()}
+        return [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+    def stop(self, sig: signal.Signals, timeout: float = 120.0) -> float:
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self._stop.set()
+        return time.monotonic() - t0
+
+    def kill(self) -> None:
+        """Teardown: whatever survived a failed test."""
+        self._stop.set()
+        for p in [*self.alive()]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def started() -> Iterator[list[PhotonAirflow]]:
+    made: list[PhotonAirflow] = []
+    yield made
+    for af in made:
+        af.kill()
+
+
+def postmaster(home: Path) -> tuple[int, str] | None:
+    """The embedded server's postmaster pid and socket folder, from its postmaster.pid."""
+    path = home / "postgres" / "postmaster.pid"
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    return int(lines[0]), lines[4]
+
+
+def config(home: Path) -> ConfigParser:
+    cfg = ConfigParser(interpolation=None)
+    cfg.read(home / "airflow" / "airflow.cfg")
+    return cfg
+
+
+def refused(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return False
+    except OSError:
+        return True
+
+
+def outside_address() -> str | None:
+    """An IPv4 address of this machine other than loopback, if it has one."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return str(a.address)
+    return None
+
+
+def assert_serves_on_loopback_only(af: PhotonAirflow) -> None:
+    mine = [c for c in af.listeners() if c.laddr.port == af.port]
+    assert mine and {c.laddr.ip for c in mine} == {"127.0.0.1"}, mine
+    wildcard = [(c.laddr, af.seen[c.pid][1]) for c in af.listeners() if c.laddr.ip in WILDCARD]
+    assert not wildcard, f"listening on every interface: {wildcard}"
+    if (ip := outside_address()) is not None:
+        assert refused(ip, af.port), f"the API answers on {ip}"
+    with urllib.request.urlopen(f"{af.url}/api/v2/monitor/health", timeout=5) as r:
+        report = json.load(r)
+    assert report["metadatabase"]["status"] == "healthy", report
+
+
+def assert_all_gone(af: PhotonAirflow) -> None:
+    deadline = time.monotonic() + 10  # orphans re-parented to init are reaped there
+    while af.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not af.alive(), [(p.pid, af.seen[p.pid][1]) for p in af.alive()]
+    assert len(af.seen) > 8, af.seen  # the tree was recorded: api-server, scheduler, its workers, ...
+    mine = {c.pid for c in psutil.net_connections(kind="inet") if c.pid in af.seen and c.status == psutil.CONN_LISTEN}
+    assert not mine
+    assert refused("127.0.0.1", af.port)
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """The process has exited (a zombie waiting for init to reap it counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def metadata_sessions(admin_dsn: str, dbname: str) -> int:
+    with autocommit(admin_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+        return int(cur.fetchone()[0])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm-embedded", "sigint-on-a-server"])
+def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
+    sig: signal.Signals,
+    tmp_path: Path,
+    started: list[PhotonAirflow],
+    make_db: Callable[[], str],
+    pg_admin_dsn: str,
+) -> None:
+    """SIGTERM case: no PHOTON_REGISTRY_DSN, so the embedded PostgreSQL under PHOTON_HOME holds the registry and
+    Airflow's metadata (database ``airflow``), and must be stopped afterwards. SIGINT case: the registry on the test
+    server, Airflow's metadata in a database of its own that ``photon airflow`` creates there."""
+    home = tmp_path / "home"
+    metadata_db = f"photon_t_af_{uuid.uuid4().hex[:10]}"
+    if sig == signal.SIGTERM:
+        env = photon_env(home)
+        env.pop("PHOTON_REGISTRY_DSN", None)
+        args: tuple[str, ...] = ()
+    else:
+        env = photon_env(home, PHOTON_REGISTRY_DSN=make_db())
+        args = ("--metadata-db", metadata_db)
+    af = PhotonAirflow(home, env, *args)
+    started.append(af)
+    try:
+        took = af.wait_ready()
+        cfg = config(home)
+        assert cfg["database"]["sql_alchemy_conn"].startswith("postgresql+psycopg2://")
+        assert cfg["core"]["executor"] == "LocalExecutor"
+        assert int(cfg["core"]["parallelism"]) == default_parallelism(2) >= 8
+        assert_serves_on_loopback_only(af)
+        workers = [c for _, c in af.seen.values() if "LocalExecutor" in c]
+        assert workers, af.seen
+        pm = postmaster(home)
+        if sig == signal.SIGTERM:
+            assert pm is not None, "the embedded PostgreSQL is not running"
+            with psycopg2.connect(host=pm[1], dbname="airflow", user="postgres") as conn, conn.cursor() as cur:
+                cur.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'dag_run'")
+                assert cur.fetchone()[0] == 1  # Airflow's schema, in its own database beside the registry's
+        else:
+            assert pm is None  # nothing embedded when a server is named
+            assert metadata_sessions(pg_admin_dsn, metadata_db) > 0
+
+        stop_s = af.stop(sig)
+        print(f"{sig.name}: ready after {took:.1f}s, stopped in {stop_s:.1f}s, {len(af.seen)} processes")
+        assert af.proc.returncode == 0, af.tail()
+        assert_all_gone(af)
+        if sig == signal.SIGTERM:
+            assert pm is not None and gone(pm[0]), "the embedded PostgreSQL still runs"
+            assert postmaster(home) is None
+        else:
+            assert metadata_sessions(pg_admin_dsn, metadata_db) == 0
+    finally:
+        if sig == signal.SIGINT:
+            drop_database(pg_admin_dsn, metadata_db)
+
+
+class Api:
+    """The REST API as the admin user."""
+
+    def __init__(self, af: PhotonAirflow):
+        self.url = af.url
+        password = json.loads((af.home / "airflow" / "simple_auth_manager_passwords.json.generated").read_text())
+        token = self._call("POST", "/auth/token", {"username": "admin", "password": password["admin"]}, None)
+        self.token = token["access_token"]
+
+    def _call(self, method: str, path: str, body: Any, token: str | None) -> Any:
+        req = urllib.request.Request(
+            f"{self.url}{path}", method=method, data=json.dumps(body).encode() if body else None
+        )
+        req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+
+    def __call__(self, method: str, path: str, body: Any = None) -> Any:
+        return self._call(method, path, body, self.token)
+
+    def runs(self, dag_id: str) -> list[dict[str, Any]]:
+        return list(self("GET", f"/api/v2/dags/{dag_id}/dagRuns?limit=100")["dag_runs"])
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        tis = self("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}/taskInstances")
+        return {t["task_id"]: t["state"] for t in tis["task_instances"]}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, af: PhotonAirflow) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert af.proc.poll() is None, f"photon airflow exited:\n{af.tail()}"
+        with contextlib.suppress(urllib.error.URLError, OSError, KeyError):
+            if result := check():
+                return result
+        time.sleep(2)
+    raise AssertionError(f"{what}: not within {timeout:.0f}s\n{af.tail(12000)}")
+
+
+def photon_cli(*args: str, env: dict[str, str]) -> str:
+    r = subprocess.run([sys.executable, "-m", "photon", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def backfill_create(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``airflow backfill create`` as the README has it: nothing but AIRFLOW_HOME (its airflow.cfg names the metadata
+    database, the DAGs and the plugins)."""
+    env = {"PATH": os.environ["PATH"], "AIRFLOW_HOME": str(home / "airflow"), "HOME": os.environ.get("HOME", "/")}
+    return subprocess.run(
+        [AIRFLOW, "backfill", "create", "--dag-id", "photon_backfill", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def joined_ids(folder: Path) -> list[str]:
+    return [cid for p in sorted(folder.glob("joined/*.parquet")) for cid in pq.read_table(p)["click_id"].to_pylist()]
+
+
+def test_backfill_while_a_joiner_lease_runs(
+    tmp_path: Path,
+    started: list[PhotonAirflow],
+    make_db: Callable[[], str],
+    login_as: Callable[[str, str], str],
+    pg_admin_dsn: str,
+) -> None:
+    """History for dc-b over two past hours, live logs for dc-a joined by photon_join_dc_a's lease; meanwhile
+    ``airflow backfill create --from-date H0 --to-date H1`` (both inclusive: two hourly runs) on the paused-by-default
+    deployment, with nothing unpaused but the joiner. Each component reaches the registry as its own login only."""
+    from photon.airflow.hooks import COMPONENT_ROLES, IdRegistryHook, component_conn_id
+
+    t_start = time.monotonic()
+    home, logs, out = tmp_path / "home", tmp_path / "logs", tmp_path / "out"
+    registry = make_db()
+    init_registry({"main": registry}, num_shards=4)
+    env = photon_env(home, PHOTON_REGISTRY_DSN=registry)
+    env |= {"AIRFLOW_VAR_PHOTON_LOGS": str(logs), "AIRFLOW_VAR_PHOTON_OUT": str(out)}
+    for component, role in COMPONENT_ROLES.items():
+        conn_id = component_conn_id(IdRegistryHook.default_conn_name, component)
+        env[f"AIRFLOW_CONN_{conn_id.upper()}"] = registry_connection({"main": login_as(registry, role)})
+    # photon_registry itself names a login that does not exist: a DAG falling back to it would fail.
+    nobody = psycopg2.extensions.make_dsn(registry, user="photon_no_such_login", password="x")
+    env["AIRFLOW_CONN_PHOTON_REGISTRY"] = registry_connection({"main": nobody})
+    metadata_db = f"photon_t_af_{uuid.uuid4().hex[:10]}"
+
+    h0 = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    h1 = h0 + timedelta(hours=1)
+    history = (h0 + timedelta(minutes=45)).isoformat()  # 30 minutes across the two hours
+    photon_cli(
+        *("generate", "--logs", str(logs), "--mode", "historical", "--start", history, "--duration", "1800"),
+        *("--rate", "30", "--dcs", "dc-b", "--rotate", "60", "--seed", "11"),
+        *("--set", "late_click_fraction=0", "--set", "late_query_file_fraction=0"),
+        env=env,
+    )
+    manifest = tmp_path / "history-manifest"
+    shutil.copytree(logs / "_manifest", manifest)
+    live_args = ("--mode", "live", "--duration", "400", "--rate", "300", "--dcs", "dc-a", "--seed", "12")
+    live = subprocess.Popen(
+        [sys.executable, "-m", "photon", "generate", "--logs", str(logs), *live_args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        af = PhotonAirflow(home, env, "--metadata-db", metadata_db)
+        started.append(af)
+        ready_s = af.wait_ready()
+        api = Api(af)
+
+        def all_dags() -> list[dict[str, Any]] | None:
+            found = api("GET", "/api/v2/dags?limit=50")["dags"]
+            return found if len(found) >= 7 else None
+
+        dags = wait_for("the DAGs parsed", all_dags, 120, af)
+        paused = {d["dag_id"]: d["is_paused"] for d in dags}
+        assert paused.get("photon_backfill") is False, paused  # no schedule of its own: created unpaused
+
+        # A live joiner lease: unpause photon_join_dc_a; its lease (300 s by default) runs through the backfill.
+        wait_for("unpause", lambda: api("PATCH", "/api/v2/dags/photon_join_dc_a", {"is_paused": False}), 60, af)
+
+        def lease_running() -> dict[str, Any] | None:
+            running = [r for r in api.runs("photon_join_dc_a") if r["state"] == "running"]
+            states = [api.task_states("photon_join_dc_a", r["dag_run_id"]) for r in running]
+            return running[0] if states == [{"joiner_lease": "running"}] else None
+
+        lease = wait_for("a joiner lease running", lease_running, 90, af)
+
+        t_backfill = time.monotonic()
+        first, last = h0.strftime("%Y-%m-%dT%H:%M:%S"), h1.strftime("%Y-%m-%dT%H:%M:%S")
+        r = backfill_create(home, "--from-date", first, "--to-date", last, "--max-active-runs", "2")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+        def backfill_done() -> list[dict[str, Any]] | None:
+            runs = [x for x in api.runs("photon_backfill") if x["run_type"] == "backfill"]
+            failed = [x for x in runs if x["state"] == "failed"]
+            assert not failed, f"{failed}\n{af.tail(12000)}"
+            return runs if len(runs) == 2 and all(x["state"] == "success" for x in runs) else None
+
+        runs = wait_for("the backfill's runs succeed", backfill_done, 240, af)
+        backfill_s = time.monotonic() - t_backfill
+        assert sorted(x["data_interval_start"][:19] for x in runs) == [first, last]  # --to-date is inclusive
+        for x in runs:
+            assert set(api.task_states("photon_backfill", x["dag_run_id"]).values()) == {"success"}
+        # The lease ran all along and joined live clicks; the scheduler made no run of photon_backfill by itself.
+        assert api.task_states("photon_join_dc_a", lease["dag_run_id"]) == {"joiner_lease": "running"}
+        wait_for("a live batch", lambda: joined_ids(out / "dc-a"), 60, af)
+        assert all(x["run_type"] == "backfill" for x in api.runs("photon_backfill"))
+
+        pipelines = [f"backfill-dc-b-{h:%Y%m%d%H%M}" for h in (h0, h1)]
+        view = tmp_path / "backfill-view"  # the auditor reads every pipeline folder under its --out
+        view.mkdir()
+        for name in pipelines:
+            assert joined_ids(out / name), f"{name} joined nothing"
+            (view / name).symlink_to(out / name)
+        report = audit(view, manifest=manifest)
+        assert report.ok, report.failures()
+        every = [cid for folder in out.iterdir() if not folder.name.startswith("_") for cid in joined_ids(folder)]
+        assert len(every) == len(set(every)), "a click joined twice"
+
+        # Re-run one hour, once the scheduler has marked the backfill complete (one at a time per DAG): a run exists
+        # for it, so --reprocess-behavior completed clears it; it finds its files consumed and writes nothing new.
+        def backfill_complete() -> bool:
+            backfills = api("GET", "/api/v2/backfills?dag_id=photon_backfill")["backfills"]
+            return bool(backfills) and all(b["completed_at"] for b in backfills)
+
+        wait_for("the backfill marked complete", backfill_complete, 60, af)
+        before = sorted(p.name for p in (out / pipelines[1] / "joined").iterdir())
+        (ended,) = [x["end_date"] for x in runs if x["data_interval_start"][:19] == last]
+        r = backfill_create(home, "--from-date", last, "--to-date", last, "--reprocess-behavior", "completed")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+        def rerun_done() -> bool:
+            (run,) = [x for x in api.runs("photon_backfill") if x["data_interval_start"][:19] == last]
+            return run["state"] == "success" and run["end_date"] is not None and run["end_date"] > ended
+
+        wait_for("the re-run succeeds", rerun_done, 180, af)
+        assert sorted(p.name for p in (out / pipelines[1] / "joined").iterdir()) == before
+
+        # Stopped mid-lease, as a service manager would: nothing survives.
+        stop_s = af.stop(signal.SIGTERM)
+        assert af.proc.returncode == 0, af.tail()
+        assert_all_gone(af)
+        assert metadata_sessions(pg_admin_dsn, metadata_db) == 0
+        print(
+            f"ready after {ready_s:.1f}s; backfill of 2 hours beside the lease {backfill_s:.1f}s; stopped mid-lease in "
+            f"{stop_s:.1f}s; {len(af.seen)} processes; whole test {time.monotonic() - t_start:.0f}s"
+        )
+    finally:
+        live.kill()
+        live.wait()
+        for af in started:
+            af.kill()
+        drop_database(pg_admin_dsn, metadata_db)

@@ -1,0 +1,115 @@
+"""``photon airflow``'s pure parts: its airflow.cfg edits, the metadata URL, the executor's size, the components'
+environment, and photon_backfill's timetable (no run from the scheduler, every interval of a backfill)."""
+
+from __future__ import annotations
+
+import json
+from configparser import ConfigParser
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pendulum
+
+from photon.airflow.standalone import LocalAirflow, default_parallelism, sqlalchemy_url, write_config
+
+
+def deployment(tmp_path: Path, **kw: object) -> LocalAirflow:
+    return LocalAirflow(
+        airflow_home=tmp_path / "airflow",
+        photon_home=tmp_path,
+        metadata_url="postgresql+psycopg2://postgres@/airflow?host=%2Ftmp%2Fpg",
+        registry={"main": "host=/tmp/pg user=postgres dbname=photon"},
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_write_config_sets_values_keeps_the_rest_and_escapes_percent(tmp_path: Path) -> None:
+    cfg = tmp_path / "airflow.cfg"
+    cfg.write_text(
+        "[core]\n# The folder where your airflow pipelines live\ndags_folder = /old\nfernet_key = abc\n\n"
+        "[database]\n# comment\nsql_alchemy_conn = sqlite:////x.db\n[api]\nhost = 0.0.0.0\n"
+    )
+    write_config(
+        cfg,
+        {
+            "core": {"dags_folder": "/new", "parallelism": "8"},
+            "database": {"sql_alchemy_conn": "postgresql+psycopg2://u@/airflow?host=%2Ftmp"},
+            "api": {"host": "127.0.0.1"},
+            "extra": {"key": "v"},
+        },
+    )
+    text = cfg.read_text()
+    assert "# The folder where your airflow pipelines live" in text and "fernet_key = abc" in text
+    assert text.count("dags_folder") == 1 and "sqlite" not in text
+    parsed = ConfigParser()  # Airflow's parser interpolates: '%' must come back as one
+    parsed.read(cfg)
+    assert parsed["core"]["dags_folder"] == "/new" and parsed["core"]["parallelism"] == "8"
+    assert parsed["database"]["sql_alchemy_conn"] == "postgresql+psycopg2://u@/airflow?host=%2Ftmp"
+    assert parsed["api"]["host"] == "127.0.0.1" and parsed["extra"]["key"] == "v"
+    assert cfg.stat().st_mode & 0o077 == 0  # it may hold a database password
+    write_config(cfg, {"core": {"dags_folder": "/new"}})
+    assert cfg.read_text() == text  # idempotent
+
+
+def test_sqlalchemy_url_from_socket_and_tcp_dsns() -> None:
+    assert sqlalchemy_url("postgresql://postgres:@/photon?host=/tmp/h/postgres") == (
+        "postgresql+psycopg2://postgres@/photon?host=%2Ftmp%2Fh%2Fpostgres"
+    )
+    assert (
+        sqlalchemy_url("host=/tmp/s port=5433 user=p dbname=a")
+        == "postgresql+psycopg2://p@/a?host=%2Ftmp%2Fs&port=5433"
+    )
+    assert sqlalchemy_url("host=db port=5432 user=u password=p@s% dbname=airflow sslmode=require") == (
+        "postgresql+psycopg2://u:p%40s%25@db:5432/airflow?sslmode=require"
+    )
+
+
+def test_parallelism_leaves_room_beside_every_joiner_lease() -> None:
+    assert default_parallelism(2, cpus=2) == 8  # this machine: 2 leases + 6 for backfill, quality, GC, verify
+    assert default_parallelism(2, cpus=16) == 34
+    assert default_parallelism(3, cpus=1) == 9
+
+
+def test_environment_binds_loopback_and_keeps_what_the_caller_set(tmp_path: Path) -> None:
+    d = deployment(tmp_path, port=18080)
+    env = d.environment({"PATH": "/bin", "AIRFLOW_CONN_PHOTON_REGISTRY_JOINER": "j", "AIRFLOW_VAR_PHOTON_LOGS": "/l"})
+    assert env["AIRFLOW__API__HOST"] == "127.0.0.1" and env["AIRFLOW__API__PORT"] == "18080"
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:18080/execution/"
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor" and env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith(
+        "postgresql+psycopg2://"
+    )
+    assert env["AIRFLOW_CONN_PHOTON_REGISTRY_JOINER"] == "j" and env["AIRFLOW_VAR_PHOTON_LOGS"] == "/l"
+    assert json.loads(env["AIRFLOW_CONN_PHOTON_REGISTRY"])["schema"] == "photon"
+    assert env["SPARK_LOCAL_IP"] == "127.0.0.1"  # local[*]: the driver stays on loopback
+    cluster = d.environment({"AIRFLOW_CONN_SPARK_DEFAULT": '{"conn_type": "spark", "host": "spark://m"}'})
+    assert "SPARK_LOCAL_IP" not in cluster
+    everywhere = deployment(tmp_path, host="0.0.0.0").environment({})
+    assert everywhere["AIRFLOW__API__HOST"] == "0.0.0.0"
+    assert everywhere["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:8080/execution/"
+    assert [c[1] for c in d.component_commands().values()] == ["scheduler", "dag-processor", "triggerer", "api-server"]
+    assert d.component_commands()["api-server"][-4:] == ["--host", "127.0.0.1", "--port", "18080"]
+
+
+def test_backfill_only_timetable_gives_the_scheduler_nothing_and_a_backfill_every_hour() -> None:
+    from airflow.timetables.base import TimeRestriction
+
+    from photon.airflow.timetables import BackfillOnlyTimetable
+
+    tt = BackfillOnlyTimetable()
+    start = pendulum.datetime(2025, 1, 1, tz="UTC")
+    # The scheduler's question: the DAG's own restriction (start date, no end date, catchup=False).
+    assert (
+        tt.next_dagrun_info(last_automated_data_interval=None, restriction=TimeRestriction(start, None, False)) is None
+    )
+    assert tt.periodic and not tt.can_be_scheduled
+    # A backfill's: every interval whose start lies in [from, to], both inclusive.
+    frm, to = pendulum.datetime(2026, 11, 20, 0, tz="UTC"), pendulum.datetime(2026, 11, 20, 5, tz="UTC")
+    infos, last = [], None
+    while info := tt.next_dagrun_info(last_automated_data_interval=last, restriction=TimeRestriction(frm, to, True)):
+        infos.append(info)
+        last = info.data_interval
+    assert [(i.data_interval.start.hour, i.data_interval.end.hour) for i in infos] == [(h, h + 1) for h in range(6)]
+    # A manual trigger at 03:30 joins the hour before it, as for any hourly data-interval timetable.
+    manual = tt.infer_manual_data_interval(run_after=pendulum.datetime(2026, 11, 20, 3, 30, tz="UTC"))
+    assert (manual.start, manual.end) == (datetime(2026, 11, 20, 2, tzinfo=UTC), datetime(2026, 11, 20, 3, tzinfo=UTC))
+    assert BackfillOnlyTimetable.deserialize(tt.serialize()) == tt and tt.summary == "0 * * * * (backfill only)"
