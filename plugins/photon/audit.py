@@ -279,12 +279,15 @@ def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
     for dc in dcs:
         for kind, schema in (("clicks", click_schema), ("queries", query_schema)):
             folder = logs / dc / kind
-            if not any(folder.glob("*.jsonl")):
+            if not any(folder.rglob("*.jsonl")):
                 continue
+            # Closed files, directly in the folder or in its arrival partitions; a file is named by its path
+            # relative to the folder, as quarantine records name it.
             lines = (
                 spark.read.option("pathGlobFilter", "*.jsonl")
+                .option("recursiveFileLookup", "true")
                 .text(str(folder))
-                .select(F.element_at(F.split(F.input_file_name(), "/"), -1).alias("file"), "value")
+                .select(F.regexp_extract(F.input_file_name(), f"/{kind}/(.*)$", 1).alias("file"), "value")
             )
             j = F.from_json("value", schema, {"mode": "PERMISSIVE"})
             parsed = lines.select("file", "value", j.alias("j"))

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from photon import registry_sql as q
+from photon.layout import partition_of
 from photon.pg import autocommit
 from photon.registry import MAIN, read_layout
 from photon.sharding import ShardRef
@@ -42,6 +43,7 @@ class GCReport:
     dry_run: bool
     target_us: int
     shards: list[ShardGC] = field(default_factory=list)
+    consumed_files_freed: int = 0  # records of files behind their pipeline's listing mark and the horizon
 
     @property
     def rows_freed(self) -> int:
@@ -80,9 +82,33 @@ def collect_garbage(
     for ref in layout.shards():
         server = layout.server_of(ref)
         report.shards.append(_collect_shard(servers[server], server, ref, target, dry_run))
+    report.consumed_files_freed = _collect_consumed_files(servers[MAIN], target, dry_run)
     if not dry_run:
         record_shard_sizes(servers, "gc")
     return report
+
+
+def _collect_consumed_files(main: str, target: int, dry_run: bool) -> int:
+    """Consumed-file records of partitions older than the horizon and behind the pipeline's own listing mark (its
+    joiner never lists them again, and their clicks are past the registry's memory): the table stays as large as
+    the retention, not as the pipeline's history. Files directly in ``<kind>/`` are kept (they are always listed)."""
+    horizon = partition_of(target)
+    freed = 0
+    with autocommit(main) as conn, conn.cursor() as cur:
+        for kind in ("queries", "clicks"):
+            where = (
+                f"FROM photon.consumed_files c USING photon.pipelines p JOIN photon.batches b"
+                f" ON b.pipeline = p.pipeline AND b.batch_seq = p.last_batch"
+                f" WHERE c.pipeline = p.pipeline AND c.kind = %s AND b.{kind}_from IS NOT NULL"  # NULL: lists all
+                f" AND c.part < least(b.{kind}_from, %s)"
+            )
+            if dry_run:
+                cur.execute(f"SELECT count(*) {where.replace('USING', ',', 1)}", (kind, horizon))
+                freed += int(cur.fetchone()[0])
+            else:
+                cur.execute(f"DELETE {where}", (kind, horizon))
+                freed += cur.rowcount
+    return freed
 
 
 def _collect_shard(dsn: str, server: str, ref: ShardRef, target: int, dry_run: bool) -> ShardGC:

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from photon.layout import partition_of
 from photon.schemas import MANIFEST_DIR, MAX_LINE_BYTES
 
 log = logging.getLogger(__name__)
@@ -620,14 +621,15 @@ def generate(
                     query_arrival[(srv, seq)] = min(arr.values())
                 first_copy: Path | None = None
                 for dc, at in arr.items():
-                    file_rows.append((dc, kind, name, b - a, bad, close, at))
+                    rel = f"{partition_of(at)}/{name}"  # under the minute it arrives in this replica (EVENTS.md)
+                    file_rows.append((dc, kind, rel, b - a, bad, close, at))
                     if live:
-                        pending.append((at, len(pending), close - rot, dc, kind, name, bytes(data)))
+                        pending.append((at, len(pending), close - rot, dc, kind, rel, bytes(data)))
                     elif first_copy is None:
-                        first_copy = logs / dc / kind / name
+                        first_copy = logs / dc / kind / rel
                         write_file(first_copy, data)
                     else:  # a closed file never changes: the other replicas can share its bytes
-                        link_or_copy(first_copy, logs / dc / kind / name)
+                        link_or_copy(first_copy, logs / dc / kind / rel)
                 report.files += 1
                 report.bytes += len(data)
                 report.lines += b - a

@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.durable import check_parquet, fsync_dir, make_dirs
 from photon.eventstore import RECOVER_STORE
+from photon.layout import SEAL_S, list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import BAD_FIELDS, CLICK_FIELDS, QUERY_FIELDS, Malformed, parse_click, parse_file, parse_query
 from photon.pipeline_state import Lease, PipelineState
 from photon.schemas import (
@@ -272,7 +273,7 @@ class _Task:
 
 
 def _source_task(
-    t: _Task, sources: list[tuple[str, str]]
+    t: _Task, sources: list[tuple[str, str, str]]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The first stage of a batch, one task per few sources: query files are parsed and stored by bucket in the
     batch's staged EventStore; click files are parsed into candidates; retry files are read back as candidates.
@@ -288,24 +289,24 @@ def _source_task(
         stored: list[pa.Table] = []
         first = None
         for i in _indices(batches):
-            kind, path_s = sources[i]
+            kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
             path = Path(path_s)
             if kind == "retries":
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
             content = path.read_bytes()
             try:
-                good, bad = parse_file(path.name, content, kind)
+                good, bad = parse_file(rel, content, kind)
             except Exception as exc:  # a parser bug must cost one file, never the pipeline
                 log.error("%s: quarantined whole: %r", path, exc)
                 good = (QUERY_FIELDS if kind == "queries" else CLICK_FIELDS).empty_table()
-                bad = _unparsable_file(path.name, content, exc)
+                bad = _unparsable_file(rel, content, exc)
             # Event time sanity at the door: an implausible stamp is decided in the batch it arrives in.
             now = int(time.time() * US)
             if kind == "queries" and _implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US)).any():
                 ts = good.column("ts_us").to_numpy()
                 good = good.filter(pa.array(~_implausible(ts, now, int(t.max_future_s * US))))
-                bad = pa.concat_tables([bad, _quarantine_implausible(path.name, content, kind, now, t.max_future_s)])
+                bad = pa.concat_tables([bad, _quarantine_implausible(rel, content, kind, now, t.max_future_s)])
             if bad.num_rows:
                 name = f"{t.tag}-{kind[0]}{i:06d}.parquet"
                 atomic_write(_quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / name)
@@ -534,6 +535,9 @@ class Joiner:
         self.lease: Lease | None = None
         self.last_batch = 0  # last batch committed (by this lease or before it)
         self.consumed: set[tuple[str, str]] = set()
+        # Per kind, the oldest log partition still to list (layout.py); None: every partition.
+        self.marks: dict[str, str | None] = {"queries": None, "clicks": None}
+        self._next_marks: dict[str, str | None] = dict(self.marks)
         self.retry_dir: Path | None = None
         self._first_ts: dict[Path, int] = {}
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
@@ -547,18 +551,20 @@ class Joiner:
         tmp = meta.with_name(f"._pipeline.json.{os.getpid()}")
         tmp.write_text(json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n")
         os.replace(tmp, meta)
-        committed = {(b, e): published for b, e, published in self.state.batches()}
+        committed = {(b, e): published for b, e, published in self.state.open_batches()}
         for (b, e), published in sorted(committed.items()):
             if not published:
                 self._publish(b, e)
-        keep = {self._tag(b, e) for b, e in committed}
+        keep = {self._tag(*max(committed))} if committed else set()  # the last batch's retry set: the live one
         shutil.rmtree(self.staging, ignore_errors=True)  # whatever is still staged was never committed
         retries = self.state_dir / "retries"
         if retries.is_dir():
             for d in retries.iterdir():
                 if d.name not in keep:
                     shutil.rmtree(d, ignore_errors=True)
-        self.consumed = self.state.consumed()
+        self.marks = self.state.marks() if committed else self._first_marks()
+        self._next_marks = dict(self.marks)
+        self.consumed = self.state.consumed(self.marks)
         self.last_batch = self.lease.last_batch
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
@@ -567,20 +573,30 @@ class Joiner:
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
+    def _first_marks(self) -> dict[str, str | None]:
+        """Where a new pipeline starts listing: everything, or for a backfill window the partitions its files can
+        have arrived in (a file arrives after its first event, give or take the clock skew)."""
+        s = self.s
+        if s.window_start_us is None:
+            return {"queries": None, "clicks": None}
+        seal = int(SEAL_S * US)
+        first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
+        return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
+
     def _check_state(self) -> None:
         """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
         (a damaged disk), rather than failing every batch of every lease on it."""
         if self.retry_dir is not None:
             for p in sorted(self.retry_dir.glob("*.parquet")):
                 check_parquet(p, RECOVER_RETRIES)
+        # The EventStore's newest minute, which the next lookups read first (named from the clock, not listed: the
+        # store holds every bucket ever written). An older damaged file is named when a lookup reads it.
         store = self.state_dir / "eventstore"
-        if store.is_dir():  # the buckets the workers' caches hold: the newest ones
-            buckets = sorted(
-                (d for d in store.iterdir() if d.name.startswith("bucket=")), key=lambda d: int(d.name[7:])
-            )
-            for d in buckets[-self.s.cache_buckets :]:
-                for p in sorted(d.glob("*.parquet")):
-                    check_parquet(p, RECOVER_STORE)
+        newest = int(time.time()) // self.s.bucket_s
+        for b in range(newest - max(1, 60 // self.s.bucket_s), newest + 1):
+            folder = store / f"bucket={b}"
+            for p in sorted(folder.glob("*.parquet")) if folder.is_dir() else []:
+                check_parquet(p, RECOVER_STORE)
 
     @staticmethod
     def _tag(batch: int, epoch: int) -> str:
@@ -643,24 +659,30 @@ class Joiner:
 
     def _new_files(self) -> tuple[list[str], list[str]]:
         """New closed files, oldest arrival first, and the verifier's re-dispatched clicks before any other: under a
-        backlog bigger than ``max_click_files`` no file waits behind later ones, whatever its name."""
+        backlog bigger than ``max_click_files`` no file waits behind later ones, whatever its name. Only partitions
+        from the pipeline's mark on are listed; the marks the batch will commit move past partitions that are
+        sealed and left with nothing to consume."""
+        sealed = sealed_before(int(time.time() * US))
 
-        def listing(kind: str) -> list[str]:
+        def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
-            if not folder.is_dir():
-                return []
             new = []
-            for n in os.listdir(folder):
-                if not n.endswith(".jsonl") or (kind, n) in self.consumed:
+            for f in list_closed(folder, self.marks[kind]):
+                if (kind, f.rel) in self.consumed:
                     continue
                 try:
-                    arrived = os.stat(folder / n).st_mtime_ns
+                    arrived = os.stat(folder / f.rel).st_mtime_ns
                 except FileNotFoundError:
                     continue
-                new.append((not n.startswith(RECOVERED_PREFIX), arrived, n))
-            return [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
+                new.append((not f.name.startswith(RECOVERED_PREFIX), arrived, f.rel))
+            chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
+            chosen = chosen[:cap] if cap is not None else chosen
+            taken = set(chosen)
+            left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
+            self._next_marks[kind] = min([*left, sealed])
+            return chosen
 
-        return listing("queries"), listing("clicks")[: self.s.max_click_files]
+        return listing("queries", None), listing("clicks", self.s.max_click_files)
 
     def _in_window(self, kind: str, path: Path) -> bool:
         s = self.s
@@ -723,10 +745,10 @@ class Joiner:
 
         # One job: parse every new file (queries stored first: the shuffle is a barrier), then steps 2-6 per
         # partition of click ids.
-        sources = [("queries", str(self.logs / self.dc / "queries" / n)) for n in q_files]
-        sources += [("clicks", str(self.logs / self.dc / "clicks" / n)) for n in c_files]
+        sources = [("queries", str(self.logs / self.dc / "queries" / n), n) for n in q_files]
+        sources += [("clicks", str(self.logs / self.dc / "clicks" / n), n) for n in c_files]
         if self.retry_dir is not None:
-            sources += [("retries", str(p)) for p in sorted(self.retry_dir.glob("*.parquet"))]
+            sources += [("retries", str(p), p.name) for p in sorted(self.retry_dir.glob("*.parquet"))]
         counts = dict.fromkeys(JOIN_COUNTS, 0)
         latencies: list[float] = []
         if sources:
@@ -755,10 +777,19 @@ class Joiner:
         _maybe_crash("before_commit", k, k - lease.last_batch)
         # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
-        self.state.commit(lease, k, files, metrics)
+        marks = dict(self._next_marks)
+        self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
+        if marks != self.marks:  # forget what is behind the marks: it is never listed again
+            self.marks = marks
+            self.consumed = {
+                (kind, n)
+                for kind, n in self.consumed
+                if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
+            }
+            self._first_ts = {p: ts for p, ts in self._first_ts.items() if p.exists()}
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)

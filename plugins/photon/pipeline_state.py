@@ -20,6 +20,7 @@ from typing import Any
 
 from psycopg2.extras import execute_values
 
+from photon.layout import part_of_name
 from photon.owners import Token
 from photon.pg import autocommit, connect
 
@@ -77,10 +78,49 @@ class PipelineState:
             conn.close()
         return Lease(self.pipeline, int(epoch), int(owner_id), int(last_batch))
 
-    def consumed(self) -> set[tuple[str, str]]:
+    def consumed(self, since: Mapping[str, str | None] | None = None) -> set[tuple[str, str]]:
+        """(kind, file) consumed by this pipeline: of every kind, or only from partition ``since[kind]`` on (and the
+        files directly in ``<kind>/``), which is what a lease still lists."""
+        out: set[tuple[str, str]] = set()
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
-            cur.execute("SELECT kind, name FROM photon.consumed_files WHERE pipeline = %s", (self.pipeline,))
-            return {(str(k), str(n)) for k, n in cur.fetchall()}
+            for kind in ("queries", "clicks"):
+                mark = (since or {}).get(kind)
+                if mark is None:
+                    cur.execute(
+                        "SELECT name FROM photon.consumed_files WHERE pipeline = %s AND kind = %s",
+                        (self.pipeline, kind),
+                    )
+                else:
+                    cur.execute(
+                        "SELECT name FROM photon.consumed_files WHERE pipeline = %s AND kind = %s"
+                        " AND (part >= %s OR part IS NULL)",
+                        (self.pipeline, kind, mark),
+                    )
+                out.update((kind, str(n)) for (n,) in cur.fetchall())
+        return out
+
+    def marks(self) -> dict[str, str | None]:
+        """Per kind, the oldest partition the pipeline must still list, as its last batch recorded it."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT b.queries_from, b.clicks_from FROM photon.pipelines p JOIN photon.batches b"
+                " ON b.pipeline = p.pipeline AND b.batch_seq = p.last_batch WHERE p.pipeline = %s",
+                (self.pipeline,),
+            )
+            row = cur.fetchone()
+        return {"queries": row[0], "clicks": row[1]} if row else {"queries": None, "clicks": None}
+
+    def open_batches(self) -> list[tuple[int, int, bool]]:
+        """(batch_seq, epoch, published) of the batches a lease start needs: the unpublished ones and the last one
+        (whose retry set the next batch reads). Bounded, however many batches the pipeline has committed."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT b.batch_seq, b.epoch, b.published FROM photon.batches b JOIN photon.pipelines p"
+                " ON p.pipeline = b.pipeline WHERE b.pipeline = %s AND (NOT b.published OR b.batch_seq = p.last_batch)"
+                " ORDER BY 1",
+                (self.pipeline,),
+            )
+            return [(int(b), int(e), bool(p)) for b, e, p in cur.fetchall()]
 
     def batches(self) -> list[tuple[int, int, bool]]:
         """(batch_seq, epoch, published) of every committed batch."""
@@ -98,6 +138,7 @@ class PipelineState:
         files: Iterable[tuple[str, str]],
         metrics: Mapping[str, Any] | None = None,
         config_version: int | None = None,
+        marks: Mapping[str, str | None] | None = None,
     ) -> bool:
         """Commit batch ``batch_seq`` and acknowledge shard configuration ``config_version`` (by default the newest
         one planned or active, read in the same transaction). True if this call committed it, False if it was already
@@ -123,13 +164,21 @@ class PipelineState:
                         return False
                     raise FencedError(f"{self.pipeline}: batch {batch_seq} out of order (last committed {last})")
                 cur.execute(
-                    "INSERT INTO photon.batches (pipeline, batch_seq, epoch, owner_id) VALUES (%s, %s, %s, %s)",
-                    (self.pipeline, batch_seq, lease.epoch, lease.owner_id),
+                    "INSERT INTO photon.batches (pipeline, batch_seq, epoch, owner_id, queries_from, clicks_from)"
+                    " VALUES (%s, %s, %s, %s, %s, %s)",
+                    (
+                        self.pipeline,
+                        batch_seq,
+                        lease.epoch,
+                        lease.owner_id,
+                        (marks or {}).get("queries"),
+                        (marks or {}).get("clicks"),
+                    ),
                 )
                 execute_values(
                     cur,
-                    "INSERT INTO photon.consumed_files (pipeline, kind, name, batch_seq) VALUES %s",
-                    [(self.pipeline, k, n, batch_seq) for k, n in files],
+                    "INSERT INTO photon.consumed_files (pipeline, kind, name, batch_seq, part) VALUES %s",
+                    [(self.pipeline, k, n, batch_seq, part_of_name(n)) for k, n in files],
                     page_size=1000,
                 )
                 if metrics:

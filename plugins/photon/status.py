@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from photon.layout import list_closed
 from photon.pg import autocommit
 
 US = 1_000_000
@@ -53,11 +54,11 @@ def _dc_of(pipeline: str, out: Path | None) -> str | None:
     return pipeline
 
 
-def _oldest_unconsumed(cur: Any, pipeline: str, folder: Path, kind: str) -> tuple[str, float] | None:
-    """(name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed."""
-    try:
-        names = [n for n in os.listdir(folder) if n.endswith(".jsonl")]
-    except FileNotFoundError:
+def _oldest_unconsumed(cur: Any, pipeline: str, folder: Path, kind: str, since: str | None) -> tuple[str, float] | None:
+    """(name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed, listed as its joiner
+    lists them: from the partition its last batch recorded on."""
+    names = [f.rel for f in list_closed(folder, since)]
+    if not names:
         return None
     cur.execute(
         "SELECT name FROM photon.consumed_files WHERE pipeline = %s AND kind = %s AND name = ANY(%s)",
@@ -110,7 +111,7 @@ def pipeline_status(
             "SELECT p.pipeline, p.epoch, p.last_batch, p.lease_owner,"
             " (extract(epoch FROM p.lease_started_at) * 1e6)::bigint,"
             " (extract(epoch FROM p.heartbeat_at) * 1e6)::bigint,"
-            " (extract(epoch FROM b.committed_at) * 1e6)::bigint, b.epoch"
+            " (extract(epoch FROM b.committed_at) * 1e6)::bigint, b.epoch, b.queries_from, b.clicks_from"
             " FROM photon.pipelines p LEFT JOIN photon.batches b"
             " ON b.pipeline = p.pipeline AND b.batch_seq = p.last_batch"
             " WHERE cardinality(%s::text[]) = 0 OR p.pipeline = ANY(%s::text[])"
@@ -122,7 +123,7 @@ def pipeline_status(
         if unknown:
             raise ValueError(f"no pipeline named {', '.join(unknown)} in the registry")
         records = []
-        for pipeline, epoch, last_batch, holder, lease_at, beat_at, batch_at, batch_epoch in rows:
+        for pipeline, epoch, last_batch, holder, lease_at, beat_at, batch_at, batch_epoch, *marks in rows:
             cur.execute(
                 "SELECT count(*), coalesce(sum(clicks), 0), coalesce(sum(joined), 0), coalesce(sum(wasted), 0),"
                 " percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_p50_s), max(latency_p90_s),"
@@ -134,8 +135,8 @@ def pipeline_status(
             lag: dict[str, Any] | None = None
             if logs is not None and dc is not None:
                 lag = {}
-                for kind in ("clicks", "queries"):
-                    found = _oldest_unconsumed(cur, pipeline, logs / dc / kind, kind)
+                for kind, since in zip(("queries", "clicks"), marks, strict=True):
+                    found = _oldest_unconsumed(cur, pipeline, logs / dc / kind, kind, since)
                     lag[kind] = (
                         None if found is None else {"file": found[0], "waiting_s": round(now_us / US - found[1], 3)}
                     )

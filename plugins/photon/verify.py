@@ -55,9 +55,10 @@ import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.audit import data_center_of
-from photon.durable import fsync_dir
+from photon.durable import fsync_dir, make_dirs
 from photon.ids import EventKeys, format_id
 from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
+from photon.layout import SEAL_S, list_closed, partition_of
 from photon.parse import parse_file
 from photon.pg import autocommit, connect
 from photon.registry import MAIN, read_layout
@@ -320,9 +321,9 @@ def verify_and_recover(
                 report.recovered = int(np.count_nonzero(found))
                 for path in intents:  # queries' intents come first: a recovered click finds its query
                     with contextlib.suppress(FileNotFoundError):  # a query intent another pass published already
-                        os.replace(path, path.with_suffix(""))
-                    fsync_dir(path.parent)
-                report.redispatched_files += [str(p.with_suffix("")) for p in intents if p.parent.name == "clicks"]
+                        published = _publish_intent(path)
+                        if path.parent.name == "clicks":
+                            report.redispatched_files.append(str(published))
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
         lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
@@ -386,13 +387,16 @@ def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> 
     process that logged it, and so does a log file's name (``<ipv4>-<pid>-<seq>.jsonl``, ``EVENTS.md``): only that
     process's files, and earlier recoveries, are read."""
     prefixes = (*{w.rsplit("-", 1)[0] + "-" for w in wanted}, RECOVERED_PREFIX)
+    # An event's file arrived after the event (give or take the clock skew): older partitions are not read.
+    since = partition_of(min((int(w.rsplit("-", 1)[1]) for w in wanted), default=0) - int(SEAL_S * US))
     lines: dict[str, bytes] = {}
     for dc in dict.fromkeys(dcs):
         folder = logs / dc / kind
         if not wanted or not folder.is_dir():
             continue
-        for name in sorted(os.listdir(folder)):
-            if not name.endswith(".jsonl") or not name.startswith(prefixes):
+        for f in sorted(list_closed(folder, since), key=lambda f: f.rel):
+            name = f.rel
+            if not f.name.startswith(prefixes):
                 continue
             try:
                 content = (folder / name).read_bytes()
@@ -448,8 +452,18 @@ def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[
                     with IdRegistry(servers) as reg:
                         if good.num_rows and bool((reg.lookup(good["click_id"]).tokens != 0).any()):
                             continue
-                os.replace(folder / n, folder / n.removesuffix(".inprogress"))
-                fsync_dir(folder)
+                _publish_intent(folder / n)
+
+
+def _publish_intent(path: Path) -> Path:
+    """Rename an intent (``<kind>/<name>.inprogress``) to a closed log file in the partition of this moment, as any
+    log file arriving now (EVENTS.md), durably; returns the file."""
+    target = path.parent / partition_of(int(time.time() * US)) / path.name.removesuffix(".inprogress")
+    make_dirs(target.parent)
+    os.replace(path, target)
+    fsync_dir(target.parent)
+    fsync_dir(path.parent)
+    return target
 
 
 def _find_query_lines(click_lines: Any, logs: Path, dcs: list[str]) -> dict[str, bytes]:

@@ -18,6 +18,7 @@ from photon.gc import collect_garbage
 from photon.generator import GeneratorSettings, generate
 from photon.ids import make_id
 from photon.joiner import REASON_GC, Joiner, JoinSettings
+from photon.layout import log_path, partition_of
 from photon.owners import create_owner
 from photon.registry import IdRegistry, Outcome
 from photon.registry_admin import init_registry, status
@@ -40,7 +41,7 @@ def rows_total(servers: dict[str, str]) -> int:
 
 
 def test_gc_frees_whole_partitions_and_stragglers_and_refuses_old_ids(servers: dict[str, str]) -> None:
-    now = (int(time.time()) // 3600) * HOUR + 30 * 60 * US  # half past an hour
+    now = (int(time.time()) // 3600) * HOUR - 30 * 60 * US  # half past an hour, in the past: ids may not be ahead
     ids = [make_id("10.0.0.1", 7, now - h * HOUR + i) for h in range(6) for i in range(0, 1_000 * 1_000, 1_000)]
     reg = IdRegistry(servers)
     assert (reg.register(ids, create_owner(servers["main"], "dc-a").token(1)).outcomes == Outcome.WON).all()
@@ -124,11 +125,13 @@ def test_gc_while_two_joiners_replay_old_logs(tmp_path: Path, servers: dict[str,
     try:
         for dc in ("dc-a", "dc-b"):  # the old logs again under new names, and the new logs
             for kind in ("queries", "clicks"):
-                for f in sorted((old / dc / kind).glob("*.jsonl")):
+                for f in sorted((old / dc / kind).rglob("*.jsonl")):
                     shutil.copy(f, logs / dc / kind / f"replay-{f.name}")
                     replayed += kind == "clicks"
-                for f in sorted((new / dc / kind).glob("*.jsonl")):
-                    shutil.copy(f, logs / dc / kind / f.name)
+                for f in sorted((new / dc / kind).rglob("*.jsonl")):
+                    target = log_path(logs, dc, kind, f.name, int(time.time() * US))  # arriving now
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(f, target)
         errors: list[BaseException] = []
 
         def join(dc: str) -> None:
@@ -184,7 +187,7 @@ def test_gc_takes_now_from_the_registry_server_not_from_a_host_clock_far_ahead(
 def test_gc_runs_as_a_login_holding_only_photon_gc(
     servers: dict[str, str], login_as: Callable[[str, str], str]
 ) -> None:
-    now = (int(time.time()) // 3600) * HOUR + 30 * 60 * US
+    now = (int(time.time()) // 3600) * HOUR - 30 * 60 * US
     ids = [make_id("10.0.0.1", 7, now - h * HOUR + i) for h in range(4) for i in range(0, 500 * 1_000, 1_000)]
     IdRegistry(servers).register(ids, create_owner(servers["main"], "dc-a").token(1))
     as_gc = {"main": login_as(servers["main"], "photon_gc")}
@@ -197,3 +200,34 @@ def test_gc_runs_as_a_login_holding_only_photon_gc(
     assert abs(again.target_us - (time.time() - 3610) * US) < 60 * US
     assert all(s.threshold_after_us >= s.threshold_before_us for s in again.shards)
     assert rows_total(servers) == 1_250 - again.rows_freed
+
+
+def test_gc_drops_consumed_file_records_behind_each_pipelines_mark_and_the_horizon(
+    servers: dict[str, str], login_as: Callable[[str, str], str]
+) -> None:
+    """The consumed-file table stays as large as the retention, not as a pipeline's history: a record goes once its
+    partition is older than the horizon and behind the listing mark its pipeline's last batch recorded. A record a
+    joiner may still list (at or after its mark, a file directly in <kind>/, a pipeline without marks) stays."""
+    from photon.pipeline_state import PipelineState
+
+    now = int(time.time() * US)
+    old, mark, fresh = (partition_of(now - h * 3_600 * US) for h in (100, 90, 1))
+    joiner = login_as(servers["main"], "photon_joiner")
+    a = PipelineState(joiner, "dc-a")
+    lease = a.start_lease()
+    a.commit(lease, 1, [("clicks", f"{old}/c1.jsonl"), ("queries", f"{old}/q1.jsonl"), ("clicks", "flat.jsonl")])
+    a.commit(lease, 2, [("clicks", f"{mark}/c2.jsonl"), ("clicks", f"{fresh}/c3.jsonl")], marks={"clicks": mark})
+    b = PipelineState(joiner, "dc-b")  # no marks recorded: it lists everything, so nothing of it may go
+    b.commit(b.start_lease(), 1, [("clicks", f"{old}/c1.jsonl")])
+    as_gc = {"main": login_as(servers["main"], "photon_gc")}
+    dry = collect_garbage(as_gc, retention_s=3_600, dry_run=True)
+    assert dry.consumed_files_freed == 1
+    report = collect_garbage(as_gc, retention_s=3_600)
+    assert report.consumed_files_freed == 1
+    assert a.consumed() == {
+        ("queries", f"{old}/q1.jsonl"),  # dc-a records no queries mark: kept
+        ("clicks", "flat.jsonl"),
+        ("clicks", f"{mark}/c2.jsonl"),
+        ("clicks", f"{fresh}/c3.jsonl"),
+    }
+    assert b.consumed() == {("clicks", f"{old}/c1.jsonl")}

@@ -166,7 +166,7 @@ def test_the_default_adapter_passes_the_contract_check(tmp_path: Path, servers: 
 
 
 def run_source_task(task: Any, files: list[tuple[str, Path]]) -> list[pa.RecordBatch]:
-    run = _source_task(task, [(kind, str(p)) for kind, p in files])
+    run = _source_task(task, [(kind, str(p), p.name) for kind, p in files])
     return list(run(iter([pa.RecordBatch.from_pydict({"id": list(range(len(files)))})])))
 
 
@@ -248,3 +248,107 @@ def test_a_truncated_or_empty_state_file_at_lease_start_is_a_clear_error_naming_
     # Moved aside as the message says, the pipeline goes on.
     retry.rename(retry.with_name(retry.name + ".corrupt"))
     Joiner("dc-a", logs, out, servers, spark, settings).start()
+
+
+def poison_files(now: int, good_query_id: str) -> dict[tuple[str, str], tuple[bytes, dict[int, str]]]:
+    """(kind, file name) -> (bytes, {line: what it must become}): "q" quarantined, "u" unjoinable (by click id)."""
+    ahead, ancient = now + 2 * DAY, 5 * US
+    click = {"click_id": "", "ts_us": 0, "query_id": good_query_id, "ad_id": "a1"}
+
+    def c(ts: int, pid: int) -> bytes:
+        return json.dumps(click | {"click_id": f"10.9.9.9-{pid}-{ts}", "ts_us": ts}).encode()
+
+    nested = b'{"click_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    lines_c = [
+        (c(ahead, 1), "u"),  # stamped two days ahead; its query is in the logs
+        (c(ahead, 2).replace(good_query_id.encode(), f"10.0.0.2-6-{ahead - US}".encode()), "u"),  # and no query
+        (c(ancient, 3), "u"),  # 1970
+        (nested, "q"),
+        (b"[" * 100_000, "q"),
+        (c(now, 4).replace(b'"ts_us": ' + str(now).encode(), b'"ts_us": NaN'), "q"),
+        (c(now, 5).replace(b'"ts_us": ' + str(now).encode(), b'"ts_us": 1e400'), "q"),
+        (c(now, 6).replace(b'"ts_us": ' + str(now).encode(), b'"ts_us": 100000000000000000000'), "q"),
+        (b"\xef\xbb\xbf" + b'{"click_id": 7}', "q"),
+        (b'{"click_id": "10.9.9.9-8-1\x00"}', "q"),
+        (b'{"click_id": "\xed\xa0\x80"}', "q"),  # a surrogate encoded in UTF-8
+        (b'{"click_id": "\xc0\xaf"}', "q"),  # overlong UTF-8
+        (b'{"truncated": ', "q"),
+        (b'{"click_id": 1}\r', "q"),
+        (b'{"pad": "' + b"x" * (4 << 20) + b'"}', "q"),  # over the line limit
+    ]
+    query = {"query_id": "", "ts_us": now, "user_id": "u", "query_text": "t", "country": "DE"}
+    big_bid = json.dumps(query | {"query_id": f"10.9.9.8-1-{now}"}).encode()[:-1] + b', "ads": [{"ad_id": "a1", '
+    big_bid += b'"advertiser_id": "x", "bid_micros": 100000000000000000000}]}'
+    lines_q = [
+        (big_bid, "q"),
+        (query_line(ahead, "10.9.9.8", 2), "q"),
+        (query_line(ancient, "10.9.9.8", 3), "q"),
+        (b"[" * 100_000, "q"),
+        (b'{"query_id": ' + b"{" * 30_000, "q"),
+    ]
+    files = {}
+    for kind, lines in (("clicks", lines_c), ("queries", lines_q)):
+        body = b"\n".join(line for line, _ in lines) + b"\n"
+        files[(kind, f"poison-{kind}.jsonl")] = (body, {i + 1: what for i, (_, what) in enumerate(lines)})
+    return files
+
+
+def test_poison_files_dropped_into_both_replicas_while_both_joiners_run(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """Every poison line costs one record (quarantine with a reason, or an unjoinable implausible click), every good
+    click is joined once, and no lease fails: the good clicks of the poison files' batches are joined too."""
+    import threading
+
+    from photon.audit import audit
+    from photon.joiner import Joiner, JoinSettings
+    from tests.integration.test_joiner import joined_ids, make_logs
+
+    logs = make_logs(tmp_path / "logs", seconds=10)
+    out = tmp_path / "out"
+    settings = JoinSettings(max_click_files=4, trigger_interval_s=0.2)
+    good_query = pq.read_table(logs / "_manifest" / "clicks.parquet", columns=["query_id"])["query_id"][0].as_py()
+    errors: list[BaseException] = []
+
+    def run(dc: str, **kw: Any) -> None:
+        try:
+            Joiner(dc, logs, out, servers, spark, settings).run(**kw)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(dc,), kwargs={"run_for_s": 20}) for dc in ("dc-a", "dc-b")]
+    for t in threads:
+        t.start()
+    time.sleep(4)  # both are in their first batches: the poison lands in the middle of the run
+    poison = poison_files(int(time.time() * US), good_query)
+    for dc in ("dc-a", "dc-b"):
+        for (kind, name), (body, _) in poison.items():
+            tmp = logs / dc / kind / f".{name}.tmp"
+            tmp.write_bytes(body)
+            tmp.rename(logs / dc / kind / name)  # a log file appears whole, as a shipper renames it
+    for t in threads:
+        t.join(timeout=300)
+    for dc in ("dc-a", "dc-b"):  # then until every retry has resolved
+        run(dc, until_caught_up=True, drain=True)
+    assert not errors, errors
+
+    ids = joined_ids(out)
+    assert len(ids) == len(set(ids))
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.duplicate_clicks == 0 and report.lost == 0 and report.wrong_query == 0, report.failures()
+    assert report.outcomes["none"] == 0
+    quarantined = [r for p in out.glob("*/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    unjoinable = [r for p in out.glob("*/unjoinable/*.parquet") for r in pq.read_table(p).to_pylist()]
+    for dc in ("dc-a", "dc-b"):
+        for (_, name), (body, expect) in poison.items():
+            got = {r["line"]: r["reason"] for r in quarantined if r["file"] == name and r["pipeline"] == dc}
+            want = sorted(n for n, what in expect.items() if what == "q")
+            assert sorted(got) == want, (dc, name, got)
+            assert all(got.values()), got
+            lines = body.split(b"\n")
+            for n, what in expect.items():
+                if what == "u":
+                    click_id = json.loads(lines[n - 1])["click_id"]
+                    reasons = [r["reason"] for r in unjoinable if r["click_id"] == click_id and r["pipeline"] == dc]
+                    assert len(reasons) == 1 and reasons[0], (dc, click_id, reasons)
+    assert not [i for i in ids if i.startswith("10.9.9.")]  # no poison click was joined

@@ -17,6 +17,7 @@ import pytest
 from photon.audit import audit
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
+from photon.layout import log_path
 from photon.pg import autocommit
 
 pytestmark = pytest.mark.integration
@@ -84,8 +85,10 @@ def test_delayed_primary_is_joined_on_a_later_retry(tmp_path: Path, servers: dic
     first = joiner.run(until_caught_up=True)
     assert first and first[0].metrics["joined"] == 0 and first[0].metrics["retried"] > 0
     assert joined_ids(out) == []
-    for f in held.iterdir():  # the delayed primary arrives
-        shutil.move(str(f), str(logs / "dc-a" / "queries" / f.name))
+    for f in sorted(held.rglob("*.jsonl")):  # the delayed primary arrives: in the partition of its arrival, now
+        target = log_path(logs, "dc-a", "queries", f.name, int(time.time() * US))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(f), str(target))
     second = joiner.run(until_caught_up=True, drain=True)  # the same lease again: batch numbers go on
     assert second and second[0].batch_seq == first[-1].batch_seq + 1
     report = audit(out, manifest=logs / "_manifest")
@@ -103,8 +106,10 @@ def test_replayed_input_and_restarts_add_nothing(tmp_path: Path, servers: dict[s
     # A restart (new lease) finds nothing new: every file was consumed, every retry resolved.
     assert Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True, drain=True) == []
     # The same input files replayed under new names: every click is registered already.
-    for f in list((logs / "dc-a" / "clicks").iterdir()):
-        shutil.copy(f, f.with_name("replay-" + f.name))
+    for f in sorted((logs / "dc-a" / "clicks").rglob("*.jsonl")):
+        target = log_path(logs, "dc-a", "clicks", "replay-" + f.name, int(time.time() * US))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, target)
     again = Joiner("dc-a", logs, out, servers, spark, settings).run(until_caught_up=True, drain=True)
     assert again and sum(r.metrics["joined"] for r in again) == 0
     assert sum(r.metrics["prefiltered"] for r in again) == len(set(before))

@@ -54,7 +54,7 @@ def test_killed_joiner_losses_are_found_and_recovered(
         # Files that the joiner takes first (they arrived earliest) appear before the restart: the re-run of the
         # killed batch takes them instead, and the clicks the killed attempt registered come in a later batch, under
         # another token.
-        late = sorted(p for p in clicks.glob("*.jsonl") if not p.name.startswith("0."))[-4:]
+        late = sorted(p for p in clicks.rglob("*.jsonl") if not p.name.startswith("0."))[-4:]
         for j, p in enumerate(late):
             p.rename(clicks / f"0.0.{i}.{j}-1-1.jsonl")
             os.utime(clicks / f"0.0.{i}.{j}-1-1.jsonl", ns=(i * 10 + j, i * 10 + j))

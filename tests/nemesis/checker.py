@@ -82,8 +82,12 @@ def _query_arrivals(logs: Path, dc: str, arrival: dict[tuple[str, str, str], int
     """query id -> when its file reached ``dc``'s replica (the earliest, if it was logged twice)."""
     out: dict[str, int] = {}
     folder = logs / dc / "queries"
-    for name in sorted(os.listdir(folder)) if folder.is_dir() else []:
-        if not name.endswith(".jsonl") or (dc, "queries", name) not in arrival:
+    # Files sit in arrival partitions (<YYYYmmdd>/<HHMM>/) and are named by their path under the folder.
+    names = sorted(
+        os.path.relpath(os.path.join(d, n), folder) for d, _, ns in os.walk(folder) for n in ns if n.endswith(".jsonl")
+    )
+    for name in names:
+        if (dc, "queries", name) not in arrival:
             continue
         at = arrival[(dc, "queries", name)]
         for line in (folder / name).read_bytes().split(b"\n"):
@@ -129,7 +133,8 @@ def final(logs: Path, out: Path, *, lost: list[str], max_join_delay_s: float, ma
     v.must_join = len(must)
     v.add("must_join_not_joined", [c for c in must if c not in times])
     quarantined = {(k, f, line) for k, f, line in _column(_parquet_files(out, "quarantine"), "kind", "file", "line")}
-    per_file = Counter((k, n) for k, n, _ in quarantined)  # a replica's file has the same name in every replica
+    # A file is named by its arrival partition and name, so each replica's copy is counted by its own name.
+    per_file = Counter((k, n) for k, n, _ in quarantined)
     missing = []
     for f in files:
         if f["dc"] in survivors and f["malformed"]:

@@ -393,7 +393,7 @@ class Nemesis:
         # Passes killed mid-way report nothing: count what reached the logs instead (one replica's copy).
         survivor = sorted(set(DCS) - self.lost)[0]
         self.outcome.verify["recovered_lines_in_logs"] = sum(
-            len(p.read_bytes().splitlines()) for p in (self.logs / survivor / "clicks").glob("recovered-*.jsonl")
+            len(p.read_bytes().splitlines()) for p in (self.logs / survivor / "clicks").rglob("recovered-*.jsonl")
         )
         last = reports[-1]
         verdict = checker.final(

@@ -29,3 +29,34 @@ def test_oldest_arrivals_and_recovered_files_first(tmp_path: Path) -> None:
     assert taken == ["recovered-1795000000000000.jsonl", "9.9.9.9-1-1.jsonl", "1.1.1.1-1-5.jsonl"]
     joiner.consumed.update(("clicks", n) for n in taken)
     assert joiner._new_files()[1] == ["1.1.1.1-1-7.jsonl"]
+
+
+def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sealed_ones(tmp_path: Path) -> None:
+    """Arrival partitions (EVENTS.md): a file arriving late (a replica catching up, a recovered file) lands in the
+    partition of now and is found at once; a sealed partition whose files are all consumed is never listed again,
+    so a trigger's cost does not grow with history."""
+    import time
+
+    from photon.layout import log_path, partition_of, sealed_before
+
+    us = 1_000_000
+    now = int(time.time() * us)
+    logs = tmp_path / "logs"
+    old, recent = now - 3_600 * us, now - 5 * us
+    for name, at in (("1.1.1.1-1-1.jsonl", old), ("1.1.1.1-1-2.jsonl", old), ("1.1.1.1-1-3.jsonl", recent)):
+        touch(log_path(logs, "dc-a", "clicks", name, at), at // us)
+    joiner = Joiner(
+        "dc-a", logs, tmp_path / "out", {"main": "dbname=unused"}, None, JoinSettings(max_click_files=2, parallelism=1)
+    )
+    _, taken = joiner._new_files()
+    assert taken == [f"{partition_of(old)}/1.1.1.1-1-1.jsonl", f"{partition_of(old)}/1.1.1.1-1-2.jsonl"]
+    assert joiner._next_marks["clicks"] == min(partition_of(recent), sealed_before(now))
+    # The batch commits: the hour-old partition is behind the mark, and a file put there now is never listed.
+    joiner.marks = dict(joiner._next_marks)
+    joiner.consumed.update(("clicks", n) for n in taken)
+    touch(log_path(logs, "dc-a", "clicks", "1.1.1.1-1-9.jsonl", old), old // us)
+    # A replica catching up an hour late, and a recovered file: both arrive now, in the partition of now.
+    touch(log_path(logs, "dc-a", "clicks", "2.2.2.2-1-1.jsonl", now), now // us)
+    touch(log_path(logs, "dc-a", "clicks", "recovered-1.jsonl", now), now // us)
+    _, taken = joiner._new_files()
+    assert [n.rsplit("/", 1)[1] for n in taken] == ["recovered-1.jsonl", "1.1.1.1-1-3.jsonl"]

@@ -1,0 +1,108 @@
+"""The log layout (``docs/EVENTS.md``): closed log files partitioned by the minute they arrived in their replica,
+
+    <logs>/<dc>/<kind>/<YYYYmmdd>/<HHMM>/<name>.jsonl
+
+so a reader that has consumed everything up to a partition never lists it again: finding new files costs what
+arrived since, never what arrived in all the months before. A file is named by its path relative to
+``<logs>/<dc>/<kind>/`` (``20261122/0355/10.1.2.3-4711-1795320900.jsonl``) in the consumed-file records, the
+manifest and quarantine records. Files directly in ``<kind>/`` (the layout before partitions) are still read; their
+listing costs what the folder holds.
+
+A writer puts a closed file under the minute it arrives by its own clock, off by at most the maximum clock skew. So
+once a reader's clock is ``SEAL_S`` past a partition's end, no new file can land there: the partition is sealed, and
+a reader whose every file of it is consumed moves past it for good.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from photon.settings import MAX_FUTURE_S
+
+US = 1_000_000
+MINUTE_US = 60 * US
+# A partition is sealed this long after its end: the writers' clock skew plus the same margin the door uses.
+SEAL_S = MAX_FUTURE_S
+INPROGRESS = ".inprogress"
+
+
+def partition_of(ts_us: int) -> str:
+    """``YYYYmmdd/HHMM``: the UTC minute of ``ts_us``."""
+    return datetime.fromtimestamp(ts_us // MINUTE_US * 60, tz=UTC).strftime("%Y%m%d/%H%M")
+
+
+def partition_start_us(part: str) -> int:
+    return int(datetime.strptime(part, "%Y%m%d/%H%M").replace(tzinfo=UTC).timestamp()) * US
+
+
+def sealed_before(now_us: int) -> str:
+    """The oldest partition that may still receive files at ``now_us``: every older one is sealed."""
+    return partition_of(now_us - int(SEAL_S * US))
+
+
+def log_path(logs: Path, dc: str, kind: str, name: str, arrival_us: int) -> Path:
+    """Where a closed file ``name`` that arrives at ``arrival_us`` goes."""
+    return logs / dc / kind / partition_of(arrival_us) / name
+
+
+def part_of_name(rel: str) -> str | None:
+    """The partition of a relative file name, or None for a file directly in ``<kind>/``."""
+    head, sep, _ = rel.rpartition("/")
+    return head if sep else None
+
+
+@dataclass(frozen=True)
+class LogFile:
+    rel: str  # path relative to <logs>/<dc>/<kind>/
+    part: str | None  # its partition; None directly in <kind>/
+
+    @property
+    def name(self) -> str:
+        return self.rel.rpartition("/")[2]
+
+
+def _is_day(name: str) -> bool:
+    return len(name) == 8 and name.isdigit()
+
+
+def _is_minute(name: str) -> bool:
+    return len(name) == 4 and name.isdigit()
+
+
+def list_closed(folder: Path, since: str | None = None) -> Iterator[LogFile]:
+    """Closed log files (``*.jsonl``) under ``folder`` = ``<logs>/<dc>/<kind>``: the flat ones, and those of every
+    partition at or after ``since`` (all of them if None), oldest partition first. No file is stat-ed: a caller
+    filters out what it has consumed first."""
+    try:
+        top = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    since_day, _, since_minute = (since or "").partition("/")
+    for entry in top:
+        if entry.name.endswith(".jsonl") and not entry.name.startswith("."):
+            yield LogFile(entry.name, None)
+    for day in sorted(e.name for e in top if _is_day(e.name) and e.name >= since_day):
+        try:
+            minutes = sorted(m for m in os.listdir(folder / day) if _is_minute(m))
+        except FileNotFoundError:
+            continue
+        for minute in minutes:
+            if day == since_day and minute < since_minute:
+                continue
+            part = f"{day}/{minute}"
+            try:
+                names = os.listdir(folder / part)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.endswith(".jsonl") and not name.startswith("."):
+                    yield LogFile(f"{part}/{name}", part)
+
+
+def now_us() -> int:
+    return int(time.time() * US)
