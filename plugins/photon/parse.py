@@ -1,13 +1,22 @@
 """Parsing log lines into events, or into quarantine records with a reason. Runs in Spark executors (one call per
 input file's bytes) and returns Arrow tables.
 
+Parsing is total: every line becomes an event or a quarantine record with a reason, never an exception (a line
+that makes the reference raise anything unforeseen is quarantined as "unexpected parser error: <type>").
+
 Two paths give the same answer. ``parse_line``-level functions (``parse_query``, ``parse_click``) are the reference:
 plain ``json`` and explicit checks, with the reason a line is malformed. ``parse_file`` runs Arrow's JSON reader over
 chunks of lines and screens the result with vectorised checks; a chunk Arrow refuses, whose row count differs from
 its line count, or with an empty or over-long line, and every row the screen doubts, go through the reference path
-line by line. Arrow is strict (a number where a string belongs, a float for an integer, a duplicate key or bad UTF-8
-fail the chunk), so a row it accepts and the screen passes is one the reference accepts with the same values; a
-test holds the two paths equal on every malformed kind the generator makes.
+line by line. Arrow is strict (a number where a string belongs, a float or an integer outside int64 for an integer,
+a duplicate key or bad UTF-8 fail the chunk), so a row it accepts and the screen passes is one the reference accepts
+with the same values. Where Arrow is laxer than the reference, a vectorised byte screen sends the line to the
+reference before Arrow sees it (``_suspect_lines``): nesting deeper than ``MAX_DEPTH`` and ``NaN``/``Infinity`` (and
+Arrow's own ``Inf``, ``-NaN``) in fields nobody reads, which Arrow skips, and a line that may go on into the next
+(Arrow reads one object across lines, and two on one line, so the row count alone does not prove that rows and
+lines match). Quarantine records always come from the reference. Tests hold the two
+paths equal on every malformed kind the generator makes, on every kind EVENTS.md lists, and on Hypothesis's random
+lines (tests/unit/test_parse_properties.py).
 """
 
 from __future__ import annotations
@@ -59,11 +68,37 @@ BAD_FIELDS = pa.schema(
 )
 
 
+# JSON nesting a line may have: the object itself is one level, a query's ads two more. Deeper lines are malformed
+# (Python's json recurses once per level; Arrow has no limit).
+MAX_DEPTH = 64
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 class Malformed(ValueError):
     pass
 
 
+class _OutOfRange:
+    """What the reference reads for a JSON integer outside int64 (``int()`` of more than 4,300 digits would raise)."""
+
+
+_OUT_OF_RANGE = _OutOfRange()
+
+
+def _json_int(s: str) -> int | _OutOfRange:
+    if len(s) > 20:  # longer than "-9223372036854775808"
+        return _OUT_OF_RANGE
+    v = int(s)
+    return v if _INT64_MIN <= v <= _INT64_MAX else _OUT_OF_RANGE
+
+
+def _no_constant(name: str) -> None:
+    raise Malformed(f"{name} is not JSON")  # Python's json would read NaN, Infinity and -Infinity as floats
+
+
 def _int(v: Any, what: str) -> int:
+    if v is _OUT_OF_RANGE:
+        raise Malformed(f"{what} is out of range")
     if not isinstance(v, int) or isinstance(v, bool):
         raise Malformed(f"{what} is not an integer")
     return v
@@ -91,15 +126,42 @@ def _event_id(v: Any, what: str, ts_us: int | None = None) -> str:
     return s
 
 
+def _depth(line: bytes) -> int:
+    """The deepest nesting of ``[`` and ``{`` outside strings: exact for valid JSON, some number for anything else."""
+    b = np.frombuffer(line, np.uint8)
+    if not len(b):
+        return 0
+    at = np.arange(len(b))
+    backslashes = at - np.maximum.accumulate(np.where(b == 92, -1, at))  # the run of backslashes ending at each byte
+    escaped = np.zeros(len(b), bool)
+    escaped[1:] = backslashes[:-1] % 2 == 1
+    in_string = np.cumsum((b == 34) & ~escaped) % 2 == 1
+    step = ((b | 32) == 123).astype(np.int64) - ((b | 32) == 125)  # [ or {, ] or }
+    return int(np.cumsum(np.where(in_string, 0, step)).max())
+
+
 def _object(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_LINE_BYTES:
         raise Malformed(f"line longer than {MAX_LINE_BYTES} bytes")
+    if not line.strip(b" \t\r"):
+        raise Malformed("blank line")
+    if b"\x00" in line:
+        raise Malformed("holds a NUL byte")
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError:
         raise Malformed("invalid UTF-8") from None
+    if text.startswith("\ufeff"):
+        raise Malformed("starts with a byte-order mark")
+    too_deep = f"nested too deeply (more than {MAX_DEPTH} levels)"
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth(line) > MAX_DEPTH:
+        raise Malformed(too_deep)
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=_json_int, parse_constant=_no_constant)
+    except Malformed:
+        raise
+    except RecursionError:  # not at MAX_DEPTH, unless the caller's stack is nearly full already
+        raise Malformed(too_deep) from None
     except ValueError:
         raise Malformed("not valid JSON") from None
     if not isinstance(obj, dict):
@@ -165,12 +227,16 @@ def _by_line_numbers(
         number = i + 1
         try:
             good.append(parser(line))
+            continue
         except Malformed as exc:
-            bad["file"].append(name)
-            bad["line"].append(number)
-            bad["raw"].append(line[:RAW_CAP_BYTES])
-            bad["raw_bytes"].append(len(line))
-            bad["reason"].append(str(exc))
+            reason = str(exc)
+        except Exception as exc:  # a parser bug must cost one line, not the file (tests hold this never happens)
+            reason = f"unexpected parser error: {type(exc).__name__}"
+        bad["file"].append(name)
+        bad["line"].append(number)
+        bad["raw"].append(line[:RAW_CAP_BYTES])
+        bad["raw_bytes"].append(len(line))
+        bad["reason"].append(reason)
     return good, bad
 
 
@@ -222,10 +288,46 @@ def _screen(t: pa.Table, kind: str) -> np.ndarray:
 _ROW = re.compile(r" in row (\d+)")
 
 
+def _is_lead(b: np.ndarray) -> np.ndarray:
+    return (b == 58) | (b == 44) | (b == 91)  # : , [
+
+
+def _is_blank(b: np.ndarray) -> np.ndarray:
+    return (b == 32) | (b == 9) | (b == 13)  # space, tab, CR
+
+
+def _suspect_lines(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per line: whether Arrow might read it otherwise than the reference, judged from bytes alone (strings too, so
+    a few good lines are suspected as well: they just take the reference path). Vectorised, no per-line Python.
+
+    - More than ``MAX_DEPTH`` ``[`` and ``{`` in the 64-byte blocks the line touches: it may nest deeper than the
+      reference allows (Arrow skips any depth in a field nobody reads).
+    - Ending in ``:``, ``,`` or ``[`` (blanks aside): an object may go on into the next line, which Arrow reads as
+      one row. Every line Arrow gets starts with ``{``, which may only follow those, so no other line can be
+      continued; then each line starts its own row, and a line holding a second value after its object (``} {``,
+      ``}null``) makes more rows than lines: the chunk is refused, not misread.
+    - ``N`` or ``I`` after ``:``, ``,``, ``[`` or ``-`` (blanks aside): ``NaN``, ``Infinity`` or Arrow's ``Inf``,
+      which Arrow reads (and skips, in a field nobody reads) and the reference refuses.
+    """
+    bits = np.packbits((buf | 32) == 123)  # [ or {
+    per_block = np.bitwise_count(np.concatenate((bits, np.zeros(-len(bits) % 8, np.uint8))).view(np.uint64))
+    cum = np.concatenate(([0], np.cumsum(per_block, dtype=np.int64)))
+    suspect = cum[np.minimum(ends // 64 + 1, len(cum) - 1)] - cum[starts // 64] > MAX_DEPTH
+    last, before = buf[np.maximum(ends - 1, 0)], buf[np.maximum(ends - 2, 0)]
+    suspect |= _is_lead(last) | (_is_blank(last) & (_is_lead(before) | _is_blank(before)))
+    letter = np.flatnonzero((buf - 73) <= 5)  # I..N, then exactly I or N
+    letter = letter[(buf[letter] == 73) | (buf[letter] == 78)]
+    one, two = buf[np.maximum(letter - 1, 0)], buf[np.maximum(letter - 2, 0)]
+    lead1, lead2 = _is_lead(one) | (one == 45), _is_lead(two) | (two == 45)
+    constant = letter[lead1 | (_is_blank(one) & (lead2 | _is_blank(two)))]
+    suspect[np.searchsorted(starts, constant, side="right") - 1] = True
+    return suspect
+
+
 def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
     """(events, quarantine records) of one closed log file. Events keep line order except for lines the reference
-    path decided. A file not ending in a newline has a torn last line; closed files end in one, so a missing
-    newline only happens to a corrupt file: the tail is malformed."""
+    path decided. A file not ending in a newline has a torn last line (closed files end in one): it is parsed like
+    any other line, so it is malformed unless it happens to be a whole event."""
     if not content:
         return parse_file_by_line(name, content, kind)
     buf = np.frombuffer(content, np.uint8)
@@ -274,8 +376,9 @@ def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table
 
     # Lines that are empty, too long or do not start with "{" never reach Arrow: it skips blank lines, and
     # pyarrow 26 crashes (SIGSEGV) on a nested explicit schema when the first value it reads is a top-level null.
+    # Nor do lines Arrow might read otherwise than the reference.
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
-    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{"))
+    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | _suspect_lines(buf, starts, ends)
     doubt.extend(np.flatnonzero(odd).tolist())
     edges = np.flatnonzero(odd)
     a = 0

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from photon.generator import GeneratorSettings, generate
-from photon.parse import CHUNK_LINES, CLICK_FIELDS, QUERY_FIELDS, parse_file, parse_file_by_line
+from photon.parse import CHUNK_LINES, CLICK_FIELDS, MAX_DEPTH, QUERY_FIELDS, parse_file, parse_file_by_line
 from photon.schemas import MAX_LINE_BYTES
 
 START = 1_763_700_000_000_000
@@ -95,7 +95,7 @@ def test_generated_logs_with_every_malformed_kind(tmp_path: Path) -> None:
     generate(s, tmp_path, start_us=START, end_us=START + 10 * US)
     totals = {"queries": [0, 0], "clicks": [0, 0]}
     for kind in totals:
-        for f in sorted((tmp_path / "dc-a" / kind).glob("*.jsonl")):
+        for f in sorted((tmp_path / "dc-a" / kind).rglob("*.jsonl")):
             good, bad = _same(f.name, f.read_bytes(), kind)
             totals[kind][0] += good
             totals[kind][1] += bad
@@ -106,3 +106,160 @@ def test_generated_logs_with_every_malformed_kind(tmp_path: Path) -> None:
 def test_empty_file() -> None:
     good, bad = parse_file("e.jsonl", b"", "clicks")
     assert good.num_rows == 0 and bad.num_rows == 0
+
+
+# -- hostile lines: each becomes an event or a quarantine record with a reason, never an exception -----------------
+
+
+def _outcome(content: bytes, kind: str) -> tuple[list[dict[str, object]], list[tuple[int, str]]]:
+    """The events and the (line, reason) of each quarantined line, once both paths agree on them."""
+    _same("hostile.jsonl", content, kind)
+    good, bad = parse_file_by_line("hostile.jsonl", content, kind)
+    return good.to_pylist(), list(zip(bad["line"].to_pylist(), bad["reason"].to_pylist(), strict=True))
+
+
+def _with_extra(line: bytes, extra: bytes) -> bytes:
+    """``line`` with one more (unknown) field at its end."""
+    return line[:-1] + b', "extra": ' + extra + b"}"
+
+
+@pytest.mark.parametrize(
+    ("kind", "line", "reason"),
+    [
+        (
+            "queries",
+            Q.replace(b'"bid_micros": 5', b'"bid_micros": 100000000000000000000'),
+            "bid_micros is out of range",
+        ),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": 9223372036854775808'), "bid_micros is out of range"),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": -9223372036854775809'), "bid_micros is out of range"),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": 1' + b"0" * 5000), "bid_micros is out of range"),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": 1e400'), "bid_micros is not an integer"),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": 1e20'), "bid_micros is not an integer"),
+        ("clicks", C.replace(b'"ts_us": 1763700000000009', b'"ts_us": 18446744073709551616'), "ts_us is out of range"),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": 9223372036854775807'), None),
+        ("queries", Q.replace(b'"bid_micros": 5', b'"bid_micros": -9223372036854775808'), None),
+        ("clicks", _with_extra(C, b"1" + b"0" * 5000), None),  # any integer where nothing is read
+    ],
+)
+def test_integers_outside_int64_are_malformed(kind: str, line: bytes, reason: str | None) -> None:
+    # One such line used to raise OverflowError while the events table was built: the whole file failed.
+    good, bad = _outcome(b"\n".join([line, line]) + b"\n", kind)
+    assert bad == ([] if reason is None else [(1, reason), (2, reason)])
+    assert len(good) == (2 if reason is None else 0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "line", "reason"),
+    [
+        ("queries", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # used to raise RecursionError
+        ("queries", b'{"a":' + b"[" * 100_000, "nested too deeply"),
+        ("clicks", _with_extra(C, b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+        ("clicks", _with_extra(C, b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1)), None),  # the object is one level
+        ("clicks", _with_extra(C, b"[" * MAX_DEPTH + b"]" * MAX_DEPTH), "nested too deeply"),
+        ("clicks", _with_extra(C, b'{"a": ' * MAX_DEPTH + b"1" + b"}" * MAX_DEPTH), "nested too deeply"),
+        ("clicks", _with_extra(C, b'"' + b"[" * 100_000 + b'"'), None),  # brackets inside a string are text
+        # Escaped quotes and backslashes inside strings: the brackets there are text too.
+        ("clicks", _with_extra(C, b'["\\"[\\\\", ' * (MAX_DEPTH - 1) + b"1" + b"]" * (MAX_DEPTH - 1)), None),
+        ("clicks", _with_extra(C, b'["\\"[\\\\", ' * MAX_DEPTH + b"1" + b"]" * MAX_DEPTH), "nested too deeply"),
+    ],
+)
+def test_deep_nesting_is_malformed(kind: str, line: bytes, reason: str | None) -> None:
+    good = Q if kind == "queries" else C
+    for before in (0, 1):  # first in its file, and between good lines (in one Arrow chunk with them)
+        events, bad = _outcome(b"\n".join([good] * before + [line, good]) + b"\n", kind)
+        too_deep = f"nested too deeply (more than {MAX_DEPTH} levels)"
+        assert bad == ([] if reason is None else [(before + 1, too_deep)])
+        assert len(events) == before + 1 + (reason is None)
+
+
+@pytest.mark.parametrize(
+    ("token", "reason"),
+    [
+        (b"NaN", "NaN is not JSON"),
+        (b"Infinity", "Infinity is not JSON"),
+        (b"-Infinity", "-Infinity is not JSON"),
+        (b"[1, NaN]", "NaN is not JSON"),
+        # Arrow's JSON reader takes these too; Python's json does not (they are not JSON).
+        (b"Inf", "not valid JSON"),
+        (b"-Inf", "not valid JSON"),
+        (b"-NaN", "not valid JSON"),
+        (b'"NaN"', None),
+        (b"1e400", None),  # a number Arrow refuses and Python reads as inf: where nothing is read, it is ignored
+    ],
+)
+def test_nan_and_infinity_are_not_json(token: str, reason: str | None) -> None:
+    for kind, line in (("queries", Q), ("clicks", C)):
+        odd = _with_extra(line, token)
+        good, bad = _outcome(b"\n".join([line, odd, line]) + b"\n", kind)
+        assert bad == ([] if reason is None else [(2, reason)])
+        assert len(good) == (3 if reason is None else 2)
+
+
+def test_an_object_across_lines_and_two_on_one_line() -> None:
+    # Arrow reads JSON values across newlines and several on one line; here the row count still equals the line
+    # count, so the rows once went to the wrong lines and two malformed lines became events.
+    other = C.replace(b"09", b"07")
+    for sep in (b"\r", b" ", b""):
+        content = b'{"x":\n' + C[:-1] + b"}}\n" + C + sep + other + b"\n"
+        good, bad = _outcome(content, "clicks")
+        assert good == [] and [n for n, _ in bad] == [1, 2, 3]
+    content = C + b"\n" + C + b" null\n" + C + b" {}\n" + C + b"\n"
+    good, bad = _outcome(content, "clicks")
+    assert len(good) == 2 and [n for n, _ in bad] == [2, 3]
+
+
+BOM = "\ufeff".encode()
+# Each kind of odd line EVENTS.md lists in "What each kind of bad line becomes", and what it becomes: None is an
+# event, else the quarantine reason.
+HOSTILE = [
+    (b"", "blank line"),
+    (b" \t\r", "blank line"),
+    (b"\x00" * 100, "holds a NUL byte"),
+    (C.replace(b'"a1"', b'"a\x00"'), "holds a NUL byte"),
+    (C + b"\x00", "holds a NUL byte"),
+    (C.replace(b'"a1"', b'"a\\u0000"'), None),  # an escaped NUL is a character like any other
+    (BOM + C, "starts with a byte-order mark"),
+    (C.replace(b'"a1"', b'"' + BOM + b'a1"'), None),  # U+FEFF inside a string is text
+    (C.replace(b", ", b", " + BOM), "not valid JSON"),
+    (C + b"\r", None),  # CR LF: the CR is JSON whitespace
+    (C.replace(b", ", b",\r"), None),  # and so is a CR between fields
+    (C.replace(b'"a1"', b'"a1\r"'), "not valid JSON"),  # a raw CR inside a string is a control character
+    (C.replace(b'"a1"', b'"\xc0\x81"'), "invalid UTF-8"),  # overlong
+    (C.replace(b'"a1"', b'"\xe0\x80\xaf"'), "invalid UTF-8"),  # overlong "/"
+    (C.replace(b'"a1"', b'"\xed\xa0\x80"'), "invalid UTF-8"),  # a surrogate, UTF-8 encoded
+    (C.replace(b'"a1"', b'"\xf4\x90\x80\x80"'), "invalid UTF-8"),  # above U+10FFFF
+    (C.replace(b'"a1"', b'"\xe2\x82"'), "invalid UTF-8"),  # truncated sequence
+    (C.replace(b'"a1"', b'"\\ud800"'), "ad_id holds an escaped lone surrogate, not Unicode text"),
+    (_with_extra(C, b'"\\udc00"'), None),  # where nothing is read
+    (C.replace(b'"a1"', b'"\\ud83d\\ude00"'), None),  # an escaped surrogate pair is one character
+    (C.replace(b'"ts_us": 1763700000000009', b'"ts_us": 1763700000000009.0'), "ts_us is not an integer"),
+    (C.replace(b'"ts_us": 1763700000000009', b'"ts_us": NaN'), "NaN is not JSON"),
+    (C.replace(b'"ts_us": 1763700000000009', b'"ts_us": true'), "ts_us is not an integer"),
+    (C.replace(b'"ts_us": 1763700000000009', b'"ts_us": "1763700000000009"'), "ts_us is not an integer"),
+    (
+        C.replace(b'"ts_us": 1763700000000009', b'"ts_us": -1763700000000009'),
+        "ts_us differs from the timestamp in click_id",
+    ),
+    (C.replace(b'"a1"', b"1e400"), "ad_id is not a non-empty string"),
+    (C.replace(b'"a1"', b"null"), "ad_id is not a non-empty string"),
+    (C.replace(b'"a1"', b'{"a": 1}'), "ad_id is not a non-empty string"),
+    (C.replace(b'"ad_id": "a1"', b'"ad_id": "a1", "ad_id": "a2"'), None),  # the last one wins, as in Python's json
+    (C[:-1], "not valid JSON"),
+    (C + b",", "not valid JSON"),
+    (b"[" + C + b"]", "not a JSON object"),
+    (b"  " + C, None),
+]
+
+
+def test_what_each_bad_line_becomes() -> None:
+    lines = [line for line, _ in HOSTILE]
+    # Around the size limit: exactly the limit is a line; one byte more is not (the newline does not count).
+    pad = MAX_LINE_BYTES - len(_with_extra(C, b'""'))
+    lines += [_with_extra(C, b'"' + b"x" * pad + b'"'), _with_extra(C, b'"' + b"x" * (pad + 1) + b'"')]
+    lines += [_with_extra(C, b'"' + b"x" * (pad - 1) + b'"') + b"\r", _with_extra(C, b'"' + b"x" * pad + b'"') + b"\r"]
+    expected = [reason for _, reason in HOSTILE] + [None, f"line longer than {MAX_LINE_BYTES} bytes"] * 2
+    assert len(lines[-4]) == MAX_LINE_BYTES and len(lines[-1]) == MAX_LINE_BYTES + 1
+    good, bad = _outcome(b"\n".join(lines) + b"\n", "clicks")
+    assert dict(bad) == {i + 1: reason for i, reason in enumerate(expected) if reason is not None}
+    assert len(good) == expected.count(None)
