@@ -13,7 +13,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -66,6 +66,14 @@ lint: setup
 
 test: setup lint
 	"$(PY)" -m pytest $(PYTEST_ARGS)
+
+# The parser's property tests (tests/unit/test_parse_properties.py) far past the suite's 10,000 examples each:
+# random (not derandomized), FUZZ_EXAMPLES per property. A failure prints the smallest example found and the
+# @reproduce_failure line that replays it.
+FUZZ_EXAMPLES ?= 500000
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) "$(PY)" -m pytest -p no:cacheprovider --timeout=0 \
+	  tests/unit/test_parse_properties.py $(PYTEST_ARGS)
 
 # A shell with the venv active: `photon`, `airflow`, `spark-submit` on PATH.
 shell: setup
