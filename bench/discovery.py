@@ -35,20 +35,25 @@ SIZES = (20_000, 200_000, 2_000_000)
 
 # Run in a fresh process: how long a lease start takes and how much memory it adds.
 _LEASE_START = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from photon.joiner import Joiner, JoinSettings
+
+def peak_mb():  # this process's own peak (VmHWM starts afresh at exec; ru_maxrss would carry the parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+
 logs, dsn, everything = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 joiner = Joiner("dc-a", logs, logs.parent / "out", {"main": dsn}, None, JoinSettings(parallelism=1))
 if everything:
     joiner.state.marks = lambda: {"queries": None, "clicks": None}  # a pipeline that lists everything
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_mb()
 t = time.perf_counter()
 joiner.start()
 took = time.perf_counter() - t
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-mb = {"added_mb": (after - before) / 1024, "rss_mb": after / 1024}
-print(json.dumps({"seconds": took, **mb, "consumed": len(joiner.consumed)}))
+after = peak_mb()
+print(json.dumps({"seconds": took, "added_mb": after - before, "rss_mb": after, "consumed": len(joiner.consumed)}))
 """
 
 
@@ -120,15 +125,20 @@ def main() -> None:
         start = now - max(args.sizes) * US // FILES_PER_S - 600 * US  # the history ends ten minutes ago or before
         results: dict[int, dict[str, Any]] = {}
         made = 0
+        unconsumed: list[str] = []
         for size in sorted(args.sizes):
             t = time.perf_counter()
             names = make_files(clicks, start, made, size)
             made = size
-            marks = {"queries": sealed_before(int(time.time() * US)), "clicks": sealed_before(int(time.time() * US))}
+            # As a caught-up joiner commits them: the oldest partition that is not sealed or still holds a file not
+            # consumed (the new files of the sizes before are left unconsumed on purpose).
+            mark = min([sealed_before(int(time.time() * US)), *unconsumed])
+            marks = {"queries": mark, "clicks": mark}
             record_consumed(dsn, state, names, marks)
             setup = time.perf_counter() - t
             for i in range(5):  # a few new files arrive now
-                new = clicks / partition_of(int(time.time() * US)) / f"10.9.9.9-{size}-{i}.jsonl"
+                unconsumed.append(partition_of(int(time.time() * US)))
+                new = clicks / unconsumed[-1] / f"10.9.9.9-{size}-{i}.jsonl"
                 new.parent.mkdir(parents=True, exist_ok=True)
                 new.touch()
             joiner = Joiner("dc-a", logs, tmp / "out", {"main": dsn}, None, JoinSettings(parallelism=1))

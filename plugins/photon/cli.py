@@ -380,6 +380,18 @@ def join_cmd(
         str | None, typer.Option(help="Backfill: only files whose first event is at or after this ISO time (UTC).")
     ] = None,
     window_end: Annotated[str | None, typer.Option(help="Backfill: ... and before this ISO time (UTC).")] = None,
+    standby: Annotated[
+        bool,
+        typer.Option(
+            "--standby",
+            help="Warm up while the pipeline's current lease runs, and take over the moment it ends (it releases "
+            "the pipeline after its last batch, or its heartbeat goes stale): consecutive leases without a gap.",
+        ),
+    ] = False,
+    standby_timeout: Annotated[
+        float | None,
+        typer.Option(help="--standby: fence a lease still running after this long (default: --run-for + 60 s)."),
+    ] = None,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
     from photon.joiner import Joiner, JoinSettings
@@ -405,7 +417,12 @@ def join_cmd(
     read_layout(servers["main"])  # an uninitialised or unreachable registry: one clear line, before Spark starts
     spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
     joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
-    lease = joiner.start()
+    if standby:
+        joiner.warm_up()
+        timeout = standby_timeout if standby_timeout is not None else (run_for or 3_540.0) + 60.0
+        why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
+        console.print(f"{dc}: took over ({why})")
+    lease = joiner.lease or joiner.start()
     console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch}")
 
     def report(r: Any) -> None:
@@ -417,6 +434,7 @@ def join_cmd(
         )
 
     results = joiner.run(run_for_s=run_for, until_caught_up=until_caught_up, drain=drain, on_batch=report)
+    joiner.release()  # a standby takes over now
     console.print(f"{dc}: {len(results)} batch(es) committed")
 
 
@@ -494,7 +512,13 @@ def status_cmd(
             "-" if rec["latency_p50_s"] is None else f"{rec['latency_p50_s']:.2f} s / {rec['latency_p99_s']:.2f} s",
             f"{rec['batches']:,} batches, {rec['joined']:,} joined\n[dim]wasted "
             + ("-" if rec["wasted_share"] is None else f"{rec['wasted_share']:.1%}")
-            + " of clicks[/]",
+            + " of clicks"
+            + (
+                f"; hand-over gaps {', '.join(f'{g:.1f}' for g in rec['handover_gaps_s'])} s"
+                if rec["handover_gaps_s"]
+                else ""
+            )
+            + "[/]",
         )
     console.print(table)
 
@@ -526,6 +550,13 @@ def report_cmd(
     chosen = pipeline or live_pipelines(main_dsn)
     result = render_report(main_dsn, to or load_settings().home / "report", pipelines=chosen, since_us=since_us)
     console.print(f"pipelines: {', '.join(result.pipelines) or 'none with batches in the range'}")
+    for name, facts in result.per_pipeline.items():
+        gaps = facts["handover_gaps_s"]
+        console.print(
+            f"  {name}: {facts['batches']:,} batches, {facts['joined']:,} joined, wasted {facts['wasted_share']:.1%} of"
+            f" {facts['clicks']:,} clicks; {len(gaps)} hand-over(s)"
+            + (f", gaps max {max(gaps):.1f} s, median {sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "")
+        )
     for path in result.written:
         console.print(f"wrote {path}")
     for name, why in result.skipped.items():

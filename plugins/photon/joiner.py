@@ -545,7 +545,17 @@ class Joiner:
 
     # lease start: recover, then load state --------------------------------------------------------------
     def start(self) -> Lease:
-        self.lease = self.state.start_lease()
+        lease = self._start(None)
+        assert lease is not None
+        return lease
+
+    def _start(self, unless_live_within_s: float | None) -> Lease | None:
+        """A new lease, then recovery and state; None (nothing done) if ``unless_live_within_s`` is given and a live
+        lease holds the pipeline."""
+        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s)
+        if lease is None:
+            return None
+        self.lease = lease
         self.root.mkdir(parents=True, exist_ok=True)
         meta = self.root / "_pipeline.json"  # which logs this output came from (the auditor reads it)
         tmp = meta.with_name(f"._pipeline.json.{os.getpid()}")
@@ -572,6 +582,35 @@ class Joiner:
         self._check_state()
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
+
+    # hand-over: a standby lease warms up while the current one runs, and takes over when it ends ------------
+    def warm_up(self) -> None:
+        """Start the executors' Python workers and their registry connections now, so the first batch after a
+        take-over costs what any batch costs (a fresh session's first job pays for them)."""
+        servers, max_future_s = tuple(sorted(self.servers.items())), self.s.max_future_s
+
+        def warm(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            import pyarrow.parquet  # noqa: F401  (imported once per worker, as a batch would)
+
+            for b in batches:
+                _registry(dict(servers), max_future_s).layout()  # its first connection and the shard layout
+                yield b
+
+        self._tasks(self.parallelism).mapInArrow(warm, "id long").collect()
+
+    def take_over(self, *, stale_s: float, timeout_s: float) -> str:
+        """Wait for the pipeline's current lease to end (released, or stale), then start this lease at once; past
+        ``timeout_s``, fence whatever still holds on. Returns why the pipeline was free. Two standbys never fence
+        each other: the lease starts only if no live lease holds the pipeline at that moment."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            why = self.state.wait_for_turn(stale_s=stale_s, timeout_s=max(0.0, deadline - time.monotonic()))
+            if self._start(None if why == "timeout" else stale_s) is not None:
+                return why
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.state.release(self.lease)
 
     def _first_marks(self) -> dict[str, str | None]:
         """Where a new pipeline starts listing: everything, or for a backfill window the partitions its files can

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,14 +50,25 @@ class PipelineState:
         self.dsn = main_dsn
         self.pipeline = pipeline
 
-    def start_lease(self) -> Lease:
+    def start_lease(self, *, unless_live_within_s: float | None = None) -> Lease | None:
+        """Take a new epoch (fencing the lease before). With ``unless_live_within_s``, only if no lease holds the
+        pipeline with a heartbeat that recent (a standby must not fence the lease another standby just took):
+        None if one does."""
         holder = f"{socket.gethostname()}:{os.getpid()}"
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
             with conn.cursor() as cur:
                 cur.execute("SELECT pg_advisory_xact_lock(hashtext('photon.pipeline.' || %s))", (self.pipeline,))
-                cur.execute("SELECT 1 FROM photon.pipelines WHERE pipeline = %s", (self.pipeline,))
-                if cur.fetchone() is None:
+                cur.execute(
+                    "SELECT lease_owner IS NOT NULL AND now() - heartbeat_at <= make_interval(secs => %s)"
+                    " FROM photon.pipelines WHERE pipeline = %s",
+                    (unless_live_within_s or 0.0, self.pipeline),
+                )
+                row = cur.fetchone()
+                if row is not None and unless_live_within_s is not None and row[0]:
+                    conn.rollback()
+                    return None
+                if row is None:
                     cur.execute(
                         "INSERT INTO photon.owners (pipeline, host, pid, info) VALUES (%s, %s, %s, %s)"
                         " RETURNING owner_id",
@@ -231,6 +243,38 @@ class PipelineState:
         finally:
             stop.set()
             thread.join(timeout=10)
+
+    def release(self, lease: Lease) -> None:
+        """The lease is done (its last batch committed and published): a standby waiting for its turn takes over now,
+        not after a heartbeat goes stale. A no-op if another lease has taken over already."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "UPDATE photon.pipelines SET lease_owner = NULL, updated_at = now() WHERE pipeline = %s AND epoch = %s",
+                (self.pipeline, lease.epoch),
+            )
+
+    def wait_for_turn(self, *, stale_s: float, timeout_s: float, poll_s: float = 0.05) -> str:
+        """Block until no live lease holds the pipeline, and say why it is free: ``new`` (never leased),
+        ``released`` (its lease ended), ``stale`` (no heartbeat for ``stale_s``, by the server's clock: it died), or
+        ``timeout`` (it held on past ``timeout_s``: it will be fenced by the lease that starts now)."""
+        deadline = time.monotonic() + timeout_s
+        with autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}") as conn, conn.cursor() as cur:
+            while True:
+                cur.execute(
+                    "SELECT lease_owner IS NULL, extract(epoch FROM now() - heartbeat_at) FROM photon.pipelines"
+                    " WHERE pipeline = %s",
+                    (self.pipeline,),
+                )
+                row = cur.fetchone()
+                if row is None:
+                    return "new"
+                if row[0]:
+                    return "released"
+                if row[1] is not None and float(row[1]) > stale_s:
+                    return "stale"
+                if time.monotonic() >= deadline:
+                    return "timeout"
+                time.sleep(poll_s)
 
     def heartbeat(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from photon.pg import autocommit
+from photon.status import handover_gaps
 
 US = 1_000_000
 BIN_S = 10
@@ -27,6 +28,8 @@ class ReportResult:
     written: list[Path] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # chart -> why it was not drawn (no data)
     pipelines: list[str] = field(default_factory=list)
+    # pipeline -> batches, clicks, joined, wasted_share (of clicks read) and the lease hand-over gaps in the range
+    per_pipeline: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _metrics(main: str, pipelines: Sequence[str] | None, since_us: int | None) -> dict[str, dict[str, np.ndarray]]:
@@ -75,6 +78,21 @@ def render_report(
     to.mkdir(parents=True, exist_ok=True)
     m = _metrics(main, pipelines, since_us)
     result = ReportResult(pipelines=sorted(m))
+    with autocommit(main) as conn, conn.cursor() as cur:
+        for p in result.pipelines:
+            cur.execute(
+                "SELECT count(*), sum(clicks), sum(joined), sum(wasted) FROM photon.batch_metrics"
+                " WHERE pipeline = %s AND started_at_us >= %s",
+                (p, since_us or 0),
+            )
+            n, clicks, joined, wasted = (int(v or 0) for v in cur.fetchone())
+            result.per_pipeline[p] = {
+                "batches": n,
+                "clicks": clicks,
+                "joined": joined,
+                "wasted_share": wasted / clicks if clicks else 0.0,
+                "handover_gaps_s": handover_gaps(cur, p, since_us or 0),
+            }
     t0 = min((float(v["t"].min()) for v in m.values() if len(v["t"])), default=0.0)
     written = result.written
 

@@ -8,6 +8,7 @@ in its retry set (and how many are due), and over a recent window its click late
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable
@@ -78,6 +79,19 @@ def _oldest_unconsumed(cur: Any, pipeline: str, folder: Path, kind: str, since: 
     return oldest
 
 
+def handover_gaps(cur: Any, pipeline: str, since_us: int) -> list[float]:
+    """Seconds between the last batch of one lease and the first batch of the next (the time a hand-over joined
+    nothing), for the leases that started since ``since_us``."""
+    cur.execute(
+        "SELECT min(m.started_at_us), max(m.started_at_us + (m.duration_s * 1e6)::bigint) FROM photon.batch_metrics m"
+        " WHERE m.pipeline = %s AND m.epoch >= coalesce((SELECT max(epoch) FROM photon.batch_metrics"
+        "  WHERE pipeline = %s AND started_at_us < %s), 0) GROUP BY m.epoch ORDER BY m.epoch",
+        (pipeline, pipeline, since_us),
+    )
+    leases = cur.fetchall()
+    return [round((nxt[0] - prev[1]) / US, 3) for prev, nxt in itertools.pairwise(leases)]
+
+
 def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now_us: int) -> dict[str, int] | None:
     """Clicks in the retry set the last committed batch left, and how many of them are due now."""
     if out is None or epoch is None:
@@ -131,6 +145,7 @@ def pipeline_status(
                 (pipeline, now_us - int(window_s * US)),
             )
             batches, clicks, joined, wasted, p50, p90, p99 = cur.fetchone()
+            gaps = handover_gaps(cur, pipeline, now_us - int(window_s * US))
             dc = _dc_of(pipeline, out)
             lag: dict[str, Any] | None = None
             if logs is not None and dc is not None:
@@ -165,6 +180,7 @@ def pipeline_status(
                         "latency_p50_s": p50,
                         "latency_p90_s": p90,
                         "latency_p99_s": p99,
+                        "handover_gaps_s": gaps,
                     },
                 }
             )

@@ -78,6 +78,12 @@ def registry(
     retries.mkdir(parents=True)
     now = int(time.time() * US)
     pq.write_table(pa.table({"due_us": [now - US, now + 60 * US, now + 120 * US]}), retries / "part-0.parquet")
+    other = PipelineState(joiner, "dc-b")  # two leases: one hand-over, 3.5 s without a batch
+    first = other.start_lease()
+    other.commit(first, 1, [("clicks", "d-1.jsonl")], metrics(10, 10, 0, 1.0) | {"started_at_us": now - 10 * US})
+    other.commit(
+        other.start_lease(), 2, [("clicks", "d-2.jsonl")], metrics(10, 10, 0, 1.0) | {"started_at_us": now - 5 * US}
+    )
     back = PipelineState(joiner, "backfill-dc-a-202611200000")
     bl = back.start_lease()
     back.commit(bl, 1, [("clicks", "c-1.jsonl")], metrics(50, 50, 45, 160_000.0))
@@ -91,7 +97,8 @@ def test_status_reports_each_pipeline_as_json_and_as_a_table(registry: tuple[Pat
     result = CliRunner().invoke(app, ["status", "--logs", str(logs), "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     records = {r["pipeline"]: r for r in json.loads(result.output)}
-    assert list(records) == ["dc-a", "backfill-dc-a-202611200000"]  # live first
+    assert list(records) == ["dc-a", "dc-b", "backfill-dc-a-202611200000"]  # live first
+    assert records["dc-b"]["recent"]["handover_gaps_s"] == [3.5] and records["dc-a"]["recent"]["handover_gaps_s"] == []
     a = records["dc-a"]
     assert a["kind"] == "live" and a["dc"] == "dc-a" and a["last_batch"] == 2
     assert 0 <= a["last_batch_age_s"] < 60 and 0 <= a["heartbeat_age_s"] < 60 and a["lease_holder"]
@@ -125,10 +132,11 @@ def test_report_draws_live_pipelines_by_default_and_skips_charts_without_data(
 ) -> None:
     """Was: every pipeline ever run on one chart (a backfill's 45-hour latency flattening the live ones), empty axes
     before any GC, and a report/ folder written into the clone."""
-    result = CliRunner().invoke(app, ["report"])
+    result = CliRunner().invoke(app, ["report"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     home = tmp_path / "home" / "report"
-    assert "pipelines: dc-a" in result.output and "backfill" not in result.output.split("\n")[0]
+    assert "pipelines: dc-a, dc-b" in result.output and "backfill" not in result.output.split("\n")[0]
+    assert "dc-b: 2 batches, 20 joined, wasted 0.0% of 20 clicks; 1 hand-over(s), gaps max 3.5 s" in result.output
     assert sorted(p.name for p in home.iterdir()) == ["latency.png", "registry_batching.png", "shares.png"]
     assert "not drawn: shard_sizes.png" in result.output
     chosen = CliRunner().invoke(

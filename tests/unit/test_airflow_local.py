@@ -65,9 +65,9 @@ def test_sqlalchemy_url_from_socket_and_tcp_dsns() -> None:
 
 
 def test_parallelism_leaves_room_beside_every_joiner_lease() -> None:
-    assert default_parallelism(2, cpus=2) == 8  # this machine: 2 leases + 6 for backfill, quality, GC, verify
-    assert default_parallelism(2, cpus=16) == 34
-    assert default_parallelism(3, cpus=1) == 9
+    assert default_parallelism(2, cpus=2) == 10  # this machine: 2 leases, 2 standbys, 6 for backfill, quality, GC...
+    assert default_parallelism(2, cpus=16) == 36
+    assert default_parallelism(3, cpus=1) == 12
 
 
 def test_environment_binds_loopback_and_keeps_what_the_caller_set(tmp_path: Path) -> None:

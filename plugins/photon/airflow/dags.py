@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
-from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
+from airflow.sdk import DAG, CronDataIntervalTimetable, Param, TriggerRule, task
 
 from photon.airflow.operators import SPARK_DIR, PhotonSparkSubmitOperator
 
@@ -59,13 +59,15 @@ def dag_id_for(dc: str) -> str:
 
 
 def join_dag(dc: str) -> DAG:
-    """One joiner lease per run; the next run starts as soon as this one ends. A failed lease is retried with
-    backoff and resumes from the committed position (a new lease fences the old one)."""
+    """One joiner lease per run, handed over without a gap: two runs are active at a time, the current lease and a
+    standby that starts its Spark session meanwhile and takes over the moment the current one releases the pipeline
+    after its last batch (``photon join --standby``). A lease that dies is taken over once its heartbeat is stale;
+    a failed run is retried with backoff and resumes from the committed position (a new lease fences the old one)."""
     with _dag(
         dag_id=dag_id_for(dc),
-        description=f"Photon joiner for {dc}: one lease of micro-batches per run",
+        description=f"Photon joiner for {dc}: one lease of micro-batches per run, a standby warm beside it",
         schedule="@continuous",
-        max_active_runs=1,
+        max_active_runs=2,
         tags=["photon", "joiner", dc],
         default_args=retries(),
         params={
@@ -79,8 +81,8 @@ def join_dag(dc: str) -> DAG:
             "joiner_lease",
             f"photon-join-{dc}",
             dc,
-            ["--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"],
-            timedelta(hours=2),
+            ["--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}", "--standby"],
+            timedelta(hours=3),  # a standby waits up to one lease before its own
         )
     return dag
 
@@ -119,8 +121,13 @@ def backfill_dag() -> DAG:
         default_args=retries(),
         params={"max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners.")},
     ) as dag:
+        # The data centers' tasks run one after the other, not side by side: the second one's registry pre-filter
+        # drops what the first joined, so each click is joined once instead of by both and then thrown away by one
+        # (half the work). The second runs whatever became of the first (all_done): it joins whatever the first
+        # could not, from its own replica, and is the fallback when the first fails.
+        previous: PhotonSparkSubmitOperator | None = None
         for dc in data_centers():
-            _joiner_task(
+            task = _joiner_task(
                 f"backfill_{dc.replace('-', '_')}",
                 f"photon-backfill-{dc}",
                 dc,
@@ -132,6 +139,10 @@ def backfill_dag() -> DAG:
                 ],
                 timedelta(hours=6),
             )
+            if previous is not None:
+                task.trigger_rule = TriggerRule.ALL_DONE
+                previous >> task
+            previous = task
     return dag
 
 

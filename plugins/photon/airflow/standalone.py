@@ -60,10 +60,10 @@ def emit(name: str, line: str, out: IO[str] | None = None) -> None:
 
 
 def default_parallelism(data_centers: int, cpus: int | None = None) -> int:
-    """LocalExecutor slots: one per data center for its joiner lease (a lease holds its slot for minutes, and the
-    next starts at once), plus max(6, 2 per core) for the rest: a backfill run's task per data center, the
-    data-quality checkpoint, GC, verify and reshard."""
-    return data_centers + max(6, 2 * (cpus or os.cpu_count() or 1))
+    """LocalExecutor slots: two per data center for its joiner lease and the standby warming up beside it (each
+    holds its slot for minutes), plus max(6, 2 per core) for the rest: a backfill run's task, the data-quality
+    checkpoint, GC, verify and reshard."""
+    return 2 * data_centers + max(6, 2 * (cpus or os.cpu_count() or 1))
 
 
 def sqlalchemy_url(dsn: str) -> str:

@@ -1,0 +1,150 @@
+"""`make bench-handover`: the gap at each lease hand-over, as Airflow runs the joiner (one spark-submit per lease).
+
+Live logs for one data center; the joiner runs as consecutive `photon join --run-for LEASE` processes, started the
+way the join DAG starts them, in three modes measured one after the other on the same machine:
+- ``standby``: two runs at a time (the DAG's max_active_runs=2): the next process starts its Spark session while the
+  current lease runs (`--standby`) and takes over the moment it releases the pipeline after its last batch;
+- ``sequential``: the next process starts when the current one exits (before: max_active_runs=1, no standby);
+- ``single``: one process for the whole run (the demo's shape: no hand-over at all).
+For each: the gaps between the last batch of one lease and the first batch of the next (from the registry's batch
+metrics), and the click latency p50/p99 from the audit (from the click's own timestamp). Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from photon.audit import audit
+from photon.pg import EmbeddedPostgres, autocommit, create_database, drop_database
+from photon.registry_admin import init_registry
+
+US = 1_000_000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _join(logs: Path, out: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
+    cmd += ["--trigger-interval", "0.5", "--master", "local[1]", *args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_leases(
+    work: Path, dsn: str, *, mode: str, lease_s: float, seconds: float, rate: float, seed: int = 5
+) -> dict[str, Any]:
+    """One run of ``seconds`` of live logs joined in ``mode``; returns the gaps, latency and the audit's verdict."""
+    logs, out = work / "logs", work / "out"
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    gen = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "photon", "generate", "--logs", str(logs), "--mode", "live"),
+            *("--duration", str(seconds), "--rate", str(rate), "--dcs", "dc-a", "--seed", str(seed)),
+            *("--max-join-delay", "30"),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    (logs / "dc-a").mkdir(parents=True, exist_ok=True)
+    outputs: list[str] = []
+    lease = ["--run-for", str(lease_s), "--max-join-delay", "30"]
+    try:
+        if mode == "single":
+            procs = [_join(logs, out, env, "--run-for", str(seconds + 5), "--max-join-delay", "30")]
+        else:
+            procs = [_join(logs, out, env, *lease, *(["--standby"] if mode == "standby" else []))]
+            if mode == "standby":
+                procs.append(_join(logs, out, env, *lease, "--standby"))
+        while gen.poll() is None or any(p.poll() is None for p in procs):
+            done = [p for p in procs if p.poll() is not None]
+            for p in done:
+                procs.remove(p)
+                outputs.append(p.stdout.read() if p.stdout else "")
+                if p.returncode != 0:
+                    raise RuntimeError(f"a lease failed ({p.returncode}):\n{outputs[-1][-3000:]}")
+                if gen.poll() is None and mode != "single":  # the scheduler starts the next run
+                    procs.append(_join(logs, out, env, *lease, *(["--standby"] if mode == "standby" else [])))
+            time.sleep(0.2)
+    finally:
+        gen.wait()
+        for p in procs:
+            p.wait()
+    final = _join(logs, out, env, "--until-caught-up", "--drain", "--max-join-delay", "30")
+    outputs.append(final.communicate()[0])
+    if final.returncode != 0:
+        raise RuntimeError(f"the final run failed:\n{outputs[-1][-3000:]}")
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT b.epoch, min(m.started_at_us), max(m.started_at_us + (m.duration_s * 1e6)::bigint), count(*)"
+            " FROM photon.batch_metrics m JOIN photon.batches b USING (pipeline, batch_seq)"
+            " GROUP BY b.epoch ORDER BY b.epoch"
+        )
+        leases = cur.fetchall()
+    gaps = [(nxt[1] - cur_[2]) / US for cur_, nxt in itertools.pairwise(leases[:-1])]  # not the final drain
+    report = audit(out, manifest=logs / "_manifest")
+    return {
+        "mode": mode,
+        "leases": len(leases) - 1,
+        "handover_gaps_s": [round(g, 2) for g in gaps],
+        "max_gap_s": round(max(gaps), 2) if gaps else None,
+        "latency_s": report.latency_s,
+        "audit_ok": report.ok,
+        "failures": report.failures(),
+        "took_over": [
+            line.split("took over (", 1)[1].split(")")[0]
+            for o in outputs
+            for line in o.splitlines()
+            if "took over (" in line
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lease", type=float, default=30.0, help="seconds per lease")
+    ap.add_argument("--seconds", type=float, default=150.0, help="seconds of live logs per mode")
+    ap.add_argument("--rate", type=float, default=500.0, help="events/s")
+    ap.add_argument("--modes", nargs="+", default=["standby", "sequential", "single"])
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="photon-bench-handover-"))
+    pg = None
+    admin = os.environ.get("PHOTON_REGISTRY_DSN")
+    if admin is None:
+        pg = EmbeddedPostgres(tmp / "pg", cleanup_mode="delete")
+        pg.start()
+        admin = pg.admin_dsn
+    results = {}
+    try:
+        for mode in args.modes:
+            name = f"photon_bench_handover_{mode}_{os.getpid()}"
+            dsn = create_database(admin, name)
+            try:
+                init_registry({"main": dsn}, num_shards=2)
+                r = run_leases(tmp / mode, dsn, mode=mode, lease_s=args.lease, seconds=args.seconds, rate=args.rate)
+            finally:
+                drop_database(admin, name)
+            results[mode] = r
+            lat = r["latency_s"]
+            print(
+                f"{mode:>10}: {r['leases']} leases, hand-over gaps {r['handover_gaps_s']} s (max {r['max_gap_s']}); "
+                f"click latency p50 {lat.get('p50', float('nan')):.2f} s, p99 {lat.get('p99', float('nan')):.2f} s; "
+                f"audit {'PASS' if r['audit_ok'] else 'FAIL ' + str(r['failures'])}",
+                flush=True,
+            )
+    finally:
+        if pg is not None:
+            pg.stop()
+    print(json.dumps({"lease_s": args.lease, "rate": args.rate, **results}))
+
+
+if __name__ == "__main__":
+    main()
