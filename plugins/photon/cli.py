@@ -390,7 +390,7 @@ def join_cmd(
     ] = False,
     standby_timeout: Annotated[
         float | None,
-        typer.Option(help="--standby: fence a lease still running after this long (default: --run-for + 60 s)."),
+        typer.Option(help="--standby: fence a lease that started longer ago than this (default: --run-for + 600 s)."),
     ] = None,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
@@ -419,7 +419,7 @@ def join_cmd(
     joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
     if standby:
         joiner.warm_up()
-        timeout = standby_timeout if standby_timeout is not None else (run_for or 3_540.0) + 60.0
+        timeout = standby_timeout if standby_timeout is not None else (run_for or 3_000.0) + 600.0
         why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
         console.print(f"{dc}: took over ({why})")
     lease = joiner.lease or joiner.start()

@@ -565,6 +565,7 @@ class Joiner:
         for (b, e), published in sorted(committed.items()):
             if not published:
                 self._publish(b, e)
+                self.state.heartbeat(lease)  # alive while it publishes: a standby must not take it for dead
         keep = {self._tag(*max(committed))} if committed else set()  # the last batch's retry set: the live one
         shutil.rmtree(self.staging, ignore_errors=True)  # whatever is still staged was never committed
         retries = self.state_dir / "retries"
@@ -599,12 +600,12 @@ class Joiner:
         self._tasks(self.parallelism).mapInArrow(warm, "id long").collect()
 
     def take_over(self, *, stale_s: float, timeout_s: float) -> str:
-        """Wait for the pipeline's current lease to end (released, or stale), then start this lease at once; past
-        ``timeout_s``, fence whatever still holds on. Returns why the pipeline was free. Two standbys never fence
-        each other: the lease starts only if no live lease holds the pipeline at that moment."""
-        deadline = time.monotonic() + timeout_s
+        """Wait for the pipeline's current lease to end (released, or stale), then start this lease at once; a
+        lease that started more than ``timeout_s`` ago and holds on is fenced. Returns why the pipeline was free.
+        Two standbys never fence each other: the lease starts only if no live lease holds the pipeline at that
+        moment, and the one that lost the race waits for the winner's whole term."""
         while True:
-            why = self.state.wait_for_turn(stale_s=stale_s, timeout_s=max(0.0, deadline - time.monotonic()))
+            why = self.state.wait_for_turn(stale_s=stale_s, timeout_s=timeout_s)
             if self._start(None if why == "timeout" else stale_s) is not None:
                 return why
 
@@ -718,7 +719,10 @@ class Joiner:
             chosen = chosen[:cap] if cap is not None else chosen
             taken = set(chosen)
             left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
-            self._next_marks[kind] = min([*left, sealed])
+            mark = min([*left, sealed])
+            # Never back: the lease before found everything behind its mark sealed and consumed, and this lease
+            # loaded no consumed-file record from there (a host whose clock is behind would list it again).
+            self._next_marks[kind] = mark if self.marks[kind] is None else max(mark, self.marks[kind] or "")
             return chosen
 
         return listing("queries", None), listing("clicks", self.s.max_click_files)

@@ -255,14 +255,15 @@ class PipelineState:
 
     def wait_for_turn(self, *, stale_s: float, timeout_s: float, poll_s: float = 0.05) -> str:
         """Block until no live lease holds the pipeline, and say why it is free: ``new`` (never leased),
-        ``released`` (its lease ended), ``stale`` (no heartbeat for ``stale_s``, by the server's clock: it died), or
-        ``timeout`` (it held on past ``timeout_s``: it will be fenced by the lease that starts now)."""
-        deadline = time.monotonic() + timeout_s
+        ``released`` (its lease ended), ``stale`` (no heartbeat for ``stale_s``: it died), or ``timeout`` (the
+        current lease started more than ``timeout_s`` ago and holds on: the lease that starts now fences it). Both
+        measured by the server's clock from the current lease's own heartbeat and start, so a lease that another
+        standby has just taken gets its whole term."""
         with autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}") as conn, conn.cursor() as cur:
             while True:
                 cur.execute(
-                    "SELECT lease_owner IS NULL, extract(epoch FROM now() - heartbeat_at) FROM photon.pipelines"
-                    " WHERE pipeline = %s",
+                    "SELECT lease_owner IS NULL, extract(epoch FROM now() - heartbeat_at),"
+                    " extract(epoch FROM now() - lease_started_at) FROM photon.pipelines WHERE pipeline = %s",
                     (self.pipeline,),
                 )
                 row = cur.fetchone()
@@ -272,7 +273,7 @@ class PipelineState:
                     return "released"
                 if row[1] is not None and float(row[1]) > stale_s:
                     return "stale"
-                if time.monotonic() >= deadline:
+                if row[2] is not None and float(row[2]) > timeout_s:
                     return "timeout"
                 time.sleep(poll_s)
 

@@ -1,0 +1,122 @@
+"""Found by an adversarial review of the hand-over and the listing marks: two standbys racing for one lease, and a
+lease whose host clock is behind the previous lease's. Both failed before their fixes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+import photon.joiner as joiner_mod
+from photon.joiner import Joiner, JoinSettings
+from photon.layout import partition_of
+from photon.pg import autocommit
+from photon.pipeline_state import FencedError, Lease
+
+pytestmark = pytest.mark.integration
+US = 1_000_000
+
+
+def beating(j: Joiner, lease: Lease, every_s: float, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        with j.state.heartbeating(lease, every_s):
+            stop.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_standby_that_loses_the_race_waits_for_the_winners_whole_term(
+    tmp_path: Path, servers: dict[str, str]
+) -> None:
+    """Was: the loser kept the deadline it set during the lease before, and fenced the winner's live lease seconds
+    into it. Now its patience is measured from the winner's own lease start."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    (logs / "dc-a" / "clicks").mkdir(parents=True)
+    settings = JoinSettings(parallelism=1, heartbeat_s=0.5)
+    a = Joiner("dc-a", logs, out, servers, None, settings)
+    stop_a = threading.Event()
+    thread_a = beating(a, a.start(), 0.5, stop_a)
+    standbys = [Joiner("dc-a", logs, out, servers, None, settings) for _ in range(2)]
+    took: dict[int, str] = {}
+
+    def standby(i: int) -> None:
+        took[i] = standbys[i].take_over(stale_s=1.5, timeout_s=6.0)  # a lease is overdue 6 s after its start
+
+    threads = [threading.Thread(target=standby, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(4.0)  # A's lease runs 4 s of its 6, and ends
+    stop_a.set()
+    thread_a.join()
+    a.release()
+    deadline = time.monotonic() + 5
+    while not took and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ((x, why),) = took.items()
+    assert why == "released"
+    lease_x = standbys[x].lease
+    assert lease_x is not None
+    stop_x = threading.Event()
+    thread_x = beating(standbys[x], lease_x, 0.5, stop_x)
+    time.sleep(4.5)  # X runs 4.5 s of its term; the loser's old deadline (6 s after it began waiting) is long past
+    standbys[x].state.heartbeat(lease_x)  # X is still the lease: not fenced
+    assert len(took) == 1
+    stop_x.set()
+    thread_x.join()
+    standbys[x].release()
+    threads[1 - x].join(timeout=10)
+    assert took[1 - x] == "released"  # the loser took over when X released, not before
+    with pytest.raises(FencedError):
+        standbys[x].state.heartbeat(lease_x)
+
+
+def click_file(logs: Path, part: str, name: str, ts: int) -> None:
+    p = logs / "dc-a" / "clicks" / part / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    line = {"click_id": f"10.0.0.1-5-{ts}", "ts_us": ts, "query_id": f"10.0.0.2-6-{ts - US}", "ad_id": "a1"}
+    p.write_bytes(json.dumps(line).encode() + b"\n")
+
+
+def test_a_lease_whose_clock_is_behind_never_moves_the_listing_mark_back(
+    tmp_path: Path, servers: dict[str, str], spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: a lease on a host whose clock was a second or two behind the previous lease's committed an older mark;
+    it had loaded no consumed-file record from before the committed mark, so it read a consumed file again and its
+    commit failed on the consumed-file key (a crashed lease; after a GC of those records, a file read twice)."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    (logs / "dc-a" / "queries").mkdir(parents=True)
+    settings = JoinSettings(parallelism=1, trigger_interval_s=0.2, max_join_delay_s=120)
+    minute = int(time.time()) // 60 * 60
+
+    def clock(at_s: float) -> types.SimpleNamespace:  # the driver's clock reads at_s when the lease starts
+        offset = at_s - time.time()
+        return types.SimpleNamespace(time=lambda: time.time() + offset, monotonic=time.monotonic, sleep=time.sleep)
+
+    old = int(time.time() * US) - 600 * US  # old clicks whose queries never come: unjoinable at once
+    click_file(logs, partition_of((minute - 90) * US), "10.0.0.1-5-1.jsonl", old)  # two minutes back
+    monkeypatch.setattr(joiner_mod, "time", clock(minute + 1.0))  # lease 1: just after the minute turned
+    j1 = Joiner("dc-a", logs, out, servers, spark, settings)
+    j1.run(max_batches=1)
+    j1.release()
+    monkeypatch.setattr(joiner_mod, "time", clock(minute - 0.5))  # lease 2: its clock 1.5 s behind
+    click_file(logs, partition_of(int(time.time() * US)), "10.0.0.1-5-2.jsonl", old + US)
+    j2 = Joiner("dc-a", logs, out, servers, spark, settings)
+    j2.run(until_caught_up=True, max_batches=3)  # raised UniqueViolation on consumed_files before
+    j2.release()
+    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT name FROM photon.consumed_files")
+        names = [n for (n,) in cur.fetchall()]
+        cur.execute("SELECT clicks_from FROM photon.batches ORDER BY batch_seq")
+        marks = [m for (m,) in cur.fetchall()]
+    assert sorted(names) == sorted(set(names)) and len(names) == 2
+    assert marks == sorted(marks), marks  # never back
+    ids = [r["click_id"] for p in (out / "dc-a" / "unjoinable").glob("*.parquet") for r in pq.read_table(p).to_pylist()]
+    assert len(ids) == len(set(ids)) == 2
