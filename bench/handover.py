@@ -37,33 +37,50 @@ def _join(logs: Path, out: Path, env: dict[str, str], *args: str) -> subprocess.
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run_leases(
-    work: Path, dsn: str, *, mode: str, lease_s: float, seconds: float, rate: float, seed: int = 5
-) -> dict[str, Any]:
-    """One run of ``seconds`` of live logs joined in ``mode``; returns the gaps, latency and the audit's verdict."""
-    logs, out = work / "logs", work / "out"
-    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
-    gen = subprocess.Popen(
+def _generate(logs: Path, env: dict[str, str], seconds: float, rate: float, seed: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [
             *(sys.executable, "-m", "photon", "generate", "--logs", str(logs), "--mode", "live"),
             *("--duration", str(seconds), "--rate", str(rate), "--dcs", "dc-a", "--seed", str(seed)),
-            *("--max-join-delay", "30"),
+            *("--max-join-delay", "30", "--set", "late_query_file_fraction=0", "--set", "late_click_fraction=0"),
         ],
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def _wait_for_a_lease(dsn: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with autocommit(dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM photon.pipelines WHERE lease_owner IS NOT NULL")
+            if cur.fetchone():
+                return
+        time.sleep(0.2)
+    raise RuntimeError("no lease started")
+
+
+def run_leases(
+    work: Path, dsn: str, *, mode: str, lease_s: float, seconds: float, rate: float, seed: int = 5
+) -> dict[str, Any]:
+    """One run of ``seconds`` of live logs joined in ``mode``; returns the gaps, latency and the audit's verdict."""
+    logs, out = work / "logs", work / "out"
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     (logs / "dc-a").mkdir(parents=True, exist_ok=True)
     outputs: list[str] = []
     lease = ["--run-for", str(lease_s), "--max-join-delay", "30"]
+    gen: subprocess.Popen[bytes] | None = None
     try:
         if mode == "single":
-            procs = [_join(logs, out, env, "--run-for", str(seconds + 5), "--max-join-delay", "30")]
+            procs = [_join(logs, out, env, "--run-for", str(seconds + 30), "--max-join-delay", "30")]
         else:
             procs = [_join(logs, out, env, *lease, *(["--standby"] if mode == "standby" else []))]
             if mode == "standby":
                 procs.append(_join(logs, out, env, *lease, "--standby"))
+        _wait_for_a_lease(dsn)  # the logs start once the first lease runs: its Spark start is not a hand-over
+        gen = _generate(logs, env, seconds, rate, seed)
         while gen.poll() is None or any(p.poll() is None for p in procs):
             done = [p for p in procs if p.poll() is not None]
             for p in done:
@@ -75,7 +92,8 @@ def run_leases(
                     procs.append(_join(logs, out, env, *lease, *(["--standby"] if mode == "standby" else [])))
             time.sleep(0.2)
     finally:
-        gen.wait()
+        if gen is not None:
+            gen.wait()
         for p in procs:
             p.wait()
     final = _join(logs, out, env, "--until-caught-up", "--drain", "--max-join-delay", "30")

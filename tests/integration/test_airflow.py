@@ -30,8 +30,10 @@ US = 1_000_000
 ROOT = Path(__file__).resolve().parents[2]
 DAGS = ROOT / "dags"
 EXPECTED = {
-    "photon_join_dc_a": ("ContinuousTimetable", ["joiner_lease"], 2),  # the lease and its standby
-    "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 2),
+    "photon_join_dc_a": ("ContinuousTimetable", ["joiner_lease"], 1),
+    "photon_join_dc_a_standby": ("ContinuousTimetable", ["joiner_lease"], 1),  # the second lease slot
+    "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 1),
+    "photon_join_dc_b_standby": ("ContinuousTimetable", ["joiner_lease"], 1),
     "photon_backfill": ("BackfillOnlyTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
     "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),

@@ -54,20 +54,22 @@ def _dag(**kwargs: Any) -> DAG:
     return DAG(start_date=START, catchup=False, **kwargs)
 
 
-def dag_id_for(dc: str) -> str:
-    return f"photon_join_{dc.replace('-', '_')}"
+def dag_id_for(dc: str, standby: bool = False) -> str:
+    return f"photon_join_{dc.replace('-', '_')}" + ("_standby" if standby else "")
 
 
-def join_dag(dc: str) -> DAG:
-    """One joiner lease per run, handed over without a gap: two runs are active at a time, the current lease and a
-    standby that starts its Spark session meanwhile and takes over the moment the current one releases the pipeline
-    after its last batch (``photon join --standby``). A lease that dies is taken over once its heartbeat is stale;
-    a failed run is retried with backoff and resumes from the committed position (a new lease fences the old one)."""
+def join_dag(dc: str, standby: bool = False) -> DAG:
+    """One joiner lease per run (``photon join --standby``: it takes over when the lease before releases the
+    pipeline after its last batch, or once that lease's heartbeat is stale). Each data center has two such DAGs,
+    ``photon_join_<dc>`` and ``photon_join_<dc>_standby`` (a continuous DAG runs one run at a time): with both
+    unpaused, one run holds the lease while the other's starts its Spark session and waits, so a lease hands over
+    without a gap. A failed run is retried with backoff and resumes from the committed position."""
     with _dag(
-        dag_id=dag_id_for(dc),
-        description=f"Photon joiner for {dc}: one lease of micro-batches per run, a standby warm beside it",
+        dag_id=dag_id_for(dc, standby),
+        description=f"Photon joiner for {dc}: one lease of micro-batches per run"
+        + (" (the second lease slot: warm while the other DAG's lease runs)" if standby else ""),
         schedule="@continuous",
-        max_active_runs=2,
+        max_active_runs=1,
         tags=["photon", "joiner", dc],
         default_args=retries(),
         params={
