@@ -1,14 +1,22 @@
-"""`make bench-pipeline`: the joiner measured against Spark's own ceiling, in one run.
+"""`make bench-pipeline`: the joiner against its peer side by side, and against Spark's own ceiling, in one run.
 
-1. A historical workload (10 queries per click) for dc-a.
-2. The ceiling: Spark reading the same JSON logs and writing Parquet, nothing else (schema inferred, and given;
-   the faster counts).
-3. The joiner over the same logs until caught up: events/s (queries + clicks) and its ratio to the ceiling.
-4. Live, at rising rates (--live-rates, events/s per replica, for --live-seconds each): the generator writing both
-   replicas while both joiners run in one Spark session; click latency percentiles from the audit, batch durations
-   from the joiners. First with files shipped fast and clocks in step (the joiner's own latency), then once with
-   the generator's realistic defaults.
-Last line: the figures as one JSON object.
+1. Side by side, on two workloads of one data center (--workloads): the project's default generator workload
+   (--rate, --seconds; 10 queries per click) and one of long non-ASCII query texts in large files (--long-rate,
+   --long-seconds; 20-60 words per query, 20,000 lines per query file). On each: the joiner until caught up, then
+   the peer a Spark user would write instead (bench/peer.py: Structured Streaming's stream-stream join, watermarks on
+   both sides, dropDuplicatesWithinWatermark on click ids, an event-time range condition, a Parquet sink,
+   availableNow, RocksDB state), in the same local[2] session, each timed without the session's start (both warmed
+   up first); events/s (queries + clicks per second of processing) and the ratio; both joined counts; each again as
+   a whole process of its own (--no-whole-process skips it); where the joiner's time goes, per stage
+   (bench/stages.py; --no-stages skips it).
+2. The ceiling: Spark reading the default workload's JSON logs and writing Parquet, nothing else (schema inferred,
+   and given; the faster counts), against the joiner's rate on the same logs.
+3. Live, at rising rates (--live-rates, events/s per replica, for --live-seconds each; --no-live skips it): the
+   generator writing both replicas while both joiners run in one Spark session; click latency percentiles from the
+   audit, batch durations from the joiners. First with files shipped fast and clocks in step (the joiner's own
+   latency), then once with the generator's realistic defaults.
+Last line: the figures as one JSON object (`events_per_s`, `peer_events_per_s`, `ratio_to_peer` of the default
+workload at the top, every workload's under `workloads`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 import numpy as np
 from pyspark.sql.pandas.types import from_arrow_schema
 
+from bench.side_by_side import default_workload, long_non_ascii_workload, run_workload, warm_up
 from photon.audit import audit
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import BatchResult, Joiner, JoinSettings
@@ -38,8 +47,16 @@ US = 1_000_000
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=50_000, help="historical events/s of log time")
-    ap.add_argument("--seconds", type=float, default=60, help="historical seconds of log time")
+    ap.add_argument("--rate", type=float, default=50_000, help="default workload: events/s of log time")
+    ap.add_argument("--seconds", type=float, default=20, help="default workload: seconds of log time")
+    ap.add_argument("--long-rate", type=float, default=17_600, help="long non-ASCII workload: events/s of log time")
+    ap.add_argument("--long-seconds", type=float, default=60, help="long non-ASCII workload: seconds of log time")
+    ap.add_argument(
+        "--workloads", nargs="+", choices=("default", "long_non_ascii"), default=["default", "long_non_ascii"]
+    )
+    ap.add_argument("--no-whole-process", action="store_true", help="skip each side's run as a process of its own")
+    ap.add_argument("--no-stages", action="store_true", help="skip the joiner's per-stage breakdown")
+    ap.add_argument("--no-live", action="store_true", help="skip the live runs")
     ap.add_argument("--live-rates", type=float, nargs="+", default=[1_000, 5_000, 20_000])
     ap.add_argument("--live-seconds", type=float, default=30)
     args = ap.parse_args()
@@ -48,38 +65,34 @@ def main() -> None:
     pg.start()
     try:
         spark = get_spark("photon-bench", master="local[2]", shuffle_partitions=4)
-        logs = tmp / "logs"
-        start = (int(time.time()) - 3_600) * US
-        settings = GeneratorSettings(
-            events_per_s=args.rate, clicks_per_query=0.1, dcs=("dc-a",), rotate_s=10.0, chunk_s=10.0
-        )
-        rep = generate(settings, logs, start_us=start, end_us=start + int(args.seconds * US))
-        events = rep.queries + rep.clicks
-        print(f"workload: {rep.queries:,} queries + {rep.clicks:,} clicks = {events:,} events, {rep.files} files")
-
-        ceilings = {}
-        for how in ("inferred", "explicit"):
-            t0 = time.perf_counter()
-            for kind, schema in (("queries", QUERY_FIELDS), ("clicks", CLICK_FIELDS)):
-                reader = spark.read if how == "inferred" else spark.read.schema(from_arrow_schema(schema))
-                reader.json(str(logs / "dc-a" / kind)).write.mode("overwrite").parquet(str(tmp / "ceiling" / kind))
-            ceilings[how] = events / (time.perf_counter() - t0)
-            print(f"ceiling (Spark JSON -> Parquet, {how} schema): {ceilings[how]:,.0f} events/s")
-        ceiling = max(ceilings.values())
-
-        servers = {"main": create_database(pg.admin_dsn, "bench")}
-        init_registry(servers)
-        joiner = Joiner("dc-a", logs, tmp / "out", servers, spark, JoinSettings(trigger_interval_s=0.0))
-        t0 = time.perf_counter()
-        batches = joiner.run(until_caught_up=True, drain=True)
-        joined_rate = events / (time.perf_counter() - t0)
-        print(
-            f"joiner (historical, until caught up): {joined_rate:,.0f} events/s in {len(batches)} batch(es); "
-            f"{joined_rate / ceiling:.2f} of the ceiling"
-        )
+        warm_up(spark, pg, tmp / "warm-up")
+        workloads = {
+            "default": default_workload(args.rate, args.seconds),
+            "long_non_ascii": long_non_ascii_workload(args.long_rate, args.long_seconds),
+        }
+        side: dict[str, dict[str, Any]] = {}
+        ceiling = None
+        for name in args.workloads:
+            root = tmp / f"side-{name}"
+            side[name] = run_workload(
+                spark,
+                pg,
+                root,
+                workloads[name],
+                whole_process=not args.no_whole_process,
+                stages=not args.no_stages,
+                keep_logs=name == "default",
+            )
+            if name == "default":
+                ceiling = measure_ceiling(spark, root / "logs", tmp / "ceiling", side[name]["events"])
+                print(
+                    f"   the joiner at {side[name]['events_per_s'] / ceiling:.2f} of the ceiling (Spark reading the "
+                    "same JSON logs and writing Parquet, nothing else)"
+                )
+                shutil.rmtree(root, ignore_errors=True)
 
         runs = []
-        for profile in ("joiner", "realistic"):
+        for profile in () if args.no_live else ("joiner", "realistic"):
             for rate in args.live_rates if profile == "joiner" else args.live_rates[:1]:
                 run = live(pg, spark, tmp / f"live-{profile}-{rate:g}", rate, args.live_seconds, profile)
                 runs.append(run)
@@ -89,27 +102,51 @@ def main() -> None:
                     f"p99 {run['p99']}s; batch duration p50 {run['batch_p50']:.2f}s p90 {run['batch_p90']:.2f}s "
                     f"({run['batches']} batches)"
                 )
-        top = [r for r in runs if r["profile"] == "joiner"][-1]
-        real = next(r for r in runs if r["profile"] == "realistic")
-        print(
-            json.dumps(
+        first = side.get("default") or next(iter(side.values()))
+        summary: dict[str, Any] = {
+            "events_per_s": first["events_per_s"],
+            "peer_events_per_s": first["peer_events_per_s"],
+            "ratio_to_peer": first["ratio_to_peer"],
+        }
+        for name, r in side.items():
+            summary[f"ratio_to_peer_{name}"] = r["ratio_to_peer"]
+        if ceiling is not None:
+            summary["ceiling_events_per_s"] = round(ceiling)
+            summary["ratio_to_ceiling"] = round(side["default"]["events_per_s"] / ceiling, 3)
+        if runs:
+            top = [r for r in runs if r["profile"] == "joiner"][-1]
+            real = next(r for r in runs if r["profile"] == "realistic")
+            summary.update(
                 {
-                    "events_per_s": round(joined_rate),
                     "p50_s": top["p50"],
                     "p90_s": top["p90"],
                     "p99_s": top["p99"],
-                    "ceiling_events_per_s": round(ceiling),
-                    "ratio_to_ceiling": round(joined_rate / ceiling, 3),
                     "live_events_per_s": top["rate"],
                     "realistic_p50_s": real["p50"],
                     "realistic_p90_s": real["p90"],
                     "realistic_p99_s": real["p99"],
                 }
             )
-        )
+        summary["workloads"] = side
+        print(json.dumps(summary))
     finally:
         pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure_ceiling(spark: Any, logs: Path, out: Path, events: int) -> float:
+    """Spark reading the same JSON logs and writing Parquet, nothing else: schema inferred, and given; the faster."""
+    rates = {}
+    for how in ("inferred", "explicit"):
+        t0 = time.perf_counter()
+        for kind, schema in (("queries", QUERY_FIELDS), ("clicks", CLICK_FIELDS)):
+            reader = spark.read if how == "inferred" else spark.read.schema(from_arrow_schema(schema))
+            reader = reader.option("pathGlobFilter", "*.jsonl").option("recursiveFileLookup", "true")
+            reader.json(str(logs / "dc-a" / kind)).write.mode("overwrite").parquet(str(out / kind))
+        rates[how] = events / (time.perf_counter() - t0)
+        print(f"   ceiling (Spark JSON -> Parquet, {how} schema): {rates[how]:,.0f} events/s")
+    shutil.rmtree(out, ignore_errors=True)
+    return max(rates.values())
 
 
 def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: float, profile: str) -> dict[str, Any]:

@@ -1,0 +1,304 @@
+"""The joiner and its peer side by side: same machine, same input files, same Spark session settings.
+
+For one workload (logs of one data center): the joiner until caught up, then the peer (bench/peer.py: Spark
+Structured Streaming's stream-stream join, availableNow), each in the shared session and timed without the session's
+start; their joined counts against each other and the manifest; optionally each again as a whole process of its own
+(its Spark start included), and the joiner's executor side replayed stage by stage (bench/stages.py).
+
+``python -m bench.side_by_side --role joiner|peer ...`` is one whole-process run (used by ``run_workload``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from bench.peer import configure, run_peer
+from bench.stages import DriverClock, last_stage_id, replay, spark_stages
+from photon.generator import GeneratorSettings, generate
+from photon.joiner import Joiner, JoinSettings
+from photon.pg import EmbeddedPostgres, create_database
+from photon.registry_admin import init_registry
+
+US = 1_000_000
+DC = "dc-a"
+# The one session both sides share, here and in their whole-process runs.
+MASTER, SHUFFLE_PARTITIONS = "local[2]", 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    settings: GeneratorSettings
+    seconds: float  # of log time
+    about: str
+
+
+def default_workload(rate: float, seconds: float) -> Workload:
+    """The project's generator defaults as ``make bench-pipeline`` has always used them (10 queries per click)."""
+    s = GeneratorSettings(events_per_s=rate, clicks_per_query=0.1, dcs=(DC,), rotate_s=10.0, chunk_s=10.0)
+    lines = rate / 1.1 * s.rotate_s / s.query_servers
+    return Workload("default", s, seconds, f"generator defaults, about {lines:,.0f} lines per query file")
+
+
+def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 20_000) -> Workload:
+    """Long query texts (20-60 words, every one non-ASCII, several scripts) in large files: ``lines_per_file``
+    lines per query file (8 query servers rotating every 10 s), clicks from one server."""
+    qps = rate / 1.1
+    servers = max(1, round(qps * 10.0 / lines_per_file))
+    s = GeneratorSettings(
+        events_per_s=rate,
+        clicks_per_query=0.1,
+        dcs=(DC,),
+        rotate_s=10.0,
+        chunk_s=10.0,
+        query_servers=servers,
+        click_servers=1,
+        query_vocabulary="non_ascii",
+        query_words_min=20,
+        query_words_max=60,
+    )
+    lines = qps * 10.0 / servers
+    return Workload(
+        "long_non_ascii",
+        s,
+        seconds,
+        f"20-60 non-ASCII words per query text, about {lines:,.0f} lines per query file, "
+        f"{rate / 11 * 10:,.0f} per click file",
+    )
+
+
+def _start_us(s: GeneratorSettings) -> int:
+    """An hour ago, on a rotation boundary (the generator starts there), so a workload's size is its own."""
+    rot = int(s.rotate_s * US)
+    t = (int(time.time()) - 3_600) * US
+    return t - t % rot
+
+
+def _ids(folder: Path) -> pa.Array:
+    if not folder.is_dir():
+        return pa.array([], pa.string())
+    return ds.dataset(str(folder), format="parquet").to_table(columns=["click_id"]).column("click_id").combine_chunks()
+
+
+def _registry(pg: EmbeddedPostgres, name: str) -> dict[str, str]:
+    servers = {"main": create_database(pg.admin_dsn, name)}
+    init_registry(servers)
+    return servers
+
+
+def run_joiner(spark: Any, servers: dict[str, str], logs: Path, out: Path) -> dict[str, Any]:
+    joiner = Joiner(DC, logs, out, servers, spark, JoinSettings(trigger_interval_s=0.0))
+    clock = DriverClock()
+    clock.attach(joiner)
+    since = last_stage_id(spark)
+    t0 = time.perf_counter()
+    results = joiner.run(until_caught_up=True, drain=True)
+    seconds = time.perf_counter() - t0
+    return {
+        "seconds": seconds,
+        "batches": len(results),
+        "joined": sum(int(r.metrics.get("joined", 0)) for r in results),
+        "unjoinable": sum(int(r.metrics.get("unjoinable", 0)) for r in results),
+        "driver": clock.seconds(results),
+        "stages": spark_stages(spark, since),
+    }
+
+
+def _whole_process(role: str, logs: Path, out: Path, dsn: str | None) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.side_by_side", "--role", role, "--logs", str(logs), "--out", str(out)]
+    if dsn:
+        cmd += ["--dsn", dsn]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"whole-process {role} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def run_workload(
+    spark: Any,
+    pg: EmbeddedPostgres,
+    root: Path,
+    w: Workload,
+    *,
+    whole_process: bool = True,
+    stages: bool = True,
+    keep_logs: bool = False,
+) -> dict[str, Any]:
+    """Generate the workload, run both sides on it, print and return the figures."""
+    logs = root / "logs"
+    start = _start_us(w.settings)
+    rep = generate(w.settings, logs, start_us=start, end_us=start + int(w.seconds * US))
+    events = rep.queries + rep.clicks
+    size = sum(p.stat().st_size for p in (logs / DC).rglob("*.jsonl"))
+    print(
+        f"\n== workload {w.name}: {w.about}\n"
+        f"   {rep.queries:,} queries + {rep.clicks:,} clicks = {events:,} events in {rep.files} files "
+        f"({size / 1e6:,.0f} MB); manifest: {rep.expect}"
+    )
+    tag = f"{w.name}_{os.getpid()}"
+    j = run_joiner(spark, _registry(pg, f"bench_sbs_{tag}"), logs, root / "out")
+    p = run_peer(spark, logs / DC, root / "peer-out", root / "peer-ckpt")
+    j_rate, p_rate = events / j["seconds"], events / p.seconds
+    j_ids, p_ids = _ids(root / "out" / DC / "joined"), _ids(root / "peer-out")
+    only_joiner = int(pc.sum(pc.invert(pc.is_in(j_ids, value_set=p_ids))).as_py() or 0)
+    only_peer = int(pc.sum(pc.invert(pc.is_in(p_ids, value_set=j_ids))).as_py() or 0)
+    print(
+        f"   joiner (photon join --until-caught-up --drain, in the shared session): {j['seconds']:.1f} s = "
+        f"{j_rate:,.0f} events/s, {j['batches']} batch(es)\n"
+        f"   peer (Structured Streaming, availableNow, RocksDB state): {p.seconds:.1f} s = {p_rate:,.0f} events/s, "
+        f"{p.batches} micro-batch(es), {p.state_rows:,} state rows at the end\n"
+        f"   ratio joiner / peer: {j_rate / p_rate:.2f}x\n"
+        f"   joined: joiner {j['joined']:,} ({len(j_ids):,} rows, {len(pc.unique(j_ids)):,} ids), peer "
+        f"{p.joined_rows:,} rows ({p.joined_ids:,} ids); only in the joiner's {only_joiner:,}, only in the peer's "
+        f"{only_peer:,}; manifest must join {rep.expect.get('join', 0):,} (either {rep.expect.get('either', 0):,})"
+    )
+    if p.joined_rows > p.joined_ids:
+        print(
+            f"   the peer wrote {p.joined_rows - p.joined_ids:,} click(s) twice: joined to a query logged twice (it "
+            "deduplicates click ids only; the joiner keeps the first copy of a query)"
+        )
+    phases = ", ".join(f"{k} {v / 1e3:.1f}s" for k, v in sorted(p.durations_ms.items(), key=lambda kv: -kv[1]))
+    print(f"   peer's progress by phase (summed over batches): {phases}")
+    result: dict[str, Any] = {
+        "events": events,
+        "files": rep.files,
+        "mb": round(size / 1e6, 1),
+        "events_per_s": round(j_rate),
+        "peer_events_per_s": round(p_rate),
+        "ratio_to_peer": round(j_rate / p_rate, 3),
+        "joiner_s": round(j["seconds"], 2),
+        "peer_s": round(p.seconds, 2),
+        "joined": j["joined"],
+        "peer_joined": p.joined_rows,
+        "peer_joined_ids": p.joined_ids,
+        "only_in_joiner": only_joiner,
+        "only_in_peer": only_peer,
+        "must_join": rep.expect.get("join", 0),
+    }
+    if stages:
+        result["joiner_stages"] = print_stages(spark, pg, root, logs, events, j, tag)
+    if whole_process:
+        jw = _whole_process("joiner", logs, root / "out-wp", _registry(pg, f"bench_wp_{tag}")["main"])
+        pw = _whole_process("peer", logs, root / "peer-out-wp", None)
+        jw_rate, pw_rate = events / jw["wall_s"], events / pw["wall_s"]
+        print(
+            f"   as whole processes (Python and Spark start included): joiner {jw['wall_s']:.1f} s "
+            f"({jw['seconds']:.1f} s processing) = {jw_rate:,.0f} events/s, peer {pw['wall_s']:.1f} s "
+            f"({pw['seconds']:.1f} s processing) = {pw_rate:,.0f} events/s: {jw_rate / pw_rate:.2f}x "
+            f"(joined {jw['joined']:,} / {pw['joined']:,})"
+        )
+        result.update(
+            {
+                "whole_process_events_per_s": round(jw_rate),
+                "whole_process_peer_events_per_s": round(pw_rate),
+                "whole_process_ratio_to_peer": round(jw_rate / pw_rate, 3),
+            }
+        )
+    if not keep_logs:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def print_stages(
+    spark: Any, pg: EmbeddedPostgres, root: Path, logs: Path, events: int, j: dict[str, Any], tag: str
+) -> dict[str, Any]:
+    """Where the joiner's time went: the real run's driver steps and Spark stages, then the executor side replayed
+    on one core, step by step."""
+    total = j["seconds"]
+    driver = {k: v for k, v in sorted(j["driver"].items(), key=lambda kv: -kv[1]) if v >= 0.0005}
+    print("   joiner, where the time went (the real run's driver side, then its Spark stages):")
+    for k, v in driver.items():
+        print(f"     {k:<40} {v:7.2f} s  {v / total:6.1%}")
+    for i, s in enumerate(j["stages"]):  # every batch is one job of two stages
+        what = "parse + store queries, shuffle write" if i % 2 == 0 else "shuffle read + join"
+        print(
+            f"     Spark stage {s['id']} ({what}): {s['wall_s']:.2f} s wall, {s['tasks']} tasks, task time "
+            f"{s['task_s']:.2f} s (JVM CPU {s['cpu_s']:.2f} s, GC {s['gc_s']:.2f} s), shuffle write "
+            f"{s['shuffle_write_mb']:.1f} MB in {s['shuffle_write_s']:.2f} s, read {s['shuffle_read_mb']:.1f} MB"
+        )
+    r = replay(spark, _registry(pg, f"bench_replay_{tag}"), logs, DC, root / "replay-out")
+    one_core = sum(r.seconds.values())
+    print(
+        f"   the same, with each batch's Spark job replayed in this process on one core ({r.wall_s:.1f} s wall, "
+        f"{r.batches} batch(es); stage 1 {r.source_s:.2f} s, stage 2 {r.join_s:.2f} s; {r.joined:,} joined):"
+    )
+    for k, v in sorted(r.seconds.items(), key=lambda kv: -kv[1]):
+        if v >= 0.0005:
+            print(f"     {k:<40} {v:7.2f} s  {v / one_core:6.1%}  ({events / v:>12,.0f} events/s per core)")
+    task_s = sum(s["task_s"] for s in j["stages"])
+    if task_s:
+        spark_share = task_s - (r.source_s + r.join_s)
+        print(
+            f"     real job's task time {task_s:.2f} s vs the replay's {r.source_s + r.join_s:.2f} s: Spark's own "
+            f"share (Arrow to rows and back, shuffle, scheduling, worker IPC) about {spark_share:.2f} s"
+        )
+    return {
+        "driver_s": {k: round(v, 3) for k, v in driver.items()},
+        "spark_stages": [
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items() if k != "name"} for s in j["stages"]
+        ],
+        "replay_one_core_s": {k: round(v, 3) for k, v in r.seconds.items()},
+        "replay_stage1_s": round(r.source_s, 3),
+        "replay_stage2_s": round(r.join_s, 3),
+    }
+
+
+def warm_up(spark: Any, pg: EmbeddedPostgres, root: Path) -> None:
+    """Both sides once on a few seconds of logs, unmeasured: the first run in a session pays for class loading,
+    JIT and the Python workers' start, and neither side should pay it for the other."""
+    import shutil
+
+    w = default_workload(5_000.0, 5.0)
+    start = _start_us(w.settings)
+    generate(w.settings, root / "logs", start_us=start, end_us=start + int(w.seconds * US))
+    run_joiner(spark, _registry(pg, f"bench_warm_{os.getpid()}"), root / "logs", root / "out")
+    run_peer(spark, root / "logs" / DC, root / "peer-out", root / "peer-ckpt")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# -- one side as a whole process ---------------------------------------------------------------------------------
+
+
+def _role_main() -> None:
+    t_begin = time.perf_counter()
+    ap = argparse.ArgumentParser(description="one side of the side-by-side benchmark as a whole process")
+    ap.add_argument("--role", choices=("joiner", "peer"), required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dsn")
+    args = ap.parse_args()
+    from photon.spark_session import get_spark
+
+    spark = get_spark(f"photon-bench-{args.role}", master=MASTER, shuffle_partitions=SHUFFLE_PARTITIONS)
+    configure(spark)  # the same settings in both processes
+    started = time.perf_counter()
+    if args.role == "joiner":
+        joiner = Joiner(DC, args.logs, args.out, {"main": args.dsn}, spark, JoinSettings(trigger_interval_s=0.0))
+        t0 = time.perf_counter()
+        results = joiner.run(until_caught_up=True, drain=True)
+        seconds, joined = time.perf_counter() - t0, sum(int(r.metrics.get("joined", 0)) for r in results)
+    else:
+        res = run_peer(spark, args.logs / DC, args.out / "data", args.out / "checkpoint")
+        seconds, joined = res.seconds, res.joined_rows
+    spark.stop()
+    print(json.dumps({"seconds": seconds, "joined": joined, "until_spark_s": started - t_begin}))
+
+
+if __name__ == "__main__":
+    _role_main()
