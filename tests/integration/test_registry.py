@@ -361,7 +361,7 @@ def test_uninitialised_registry_is_a_clear_error(make_db: MakeDb) -> None:
 
 def test_status_reports_shards_thresholds_and_rows(servers: dict[str, str], registry: IdRegistry) -> None:
     owner = create_owner(servers["main"], "dc-a")
-    registry.register(ids_at(now_us() - HOUR, 1000, step=7_200_000), owner.token(0))  # spans two partitions
+    registry.register(ids_at(now_us() - 2 * HOUR - 60_000_000, 1000, step=7_200_000), owner.token(0))  # 2 partitions
     ref = registry.layout().shards()[2]
     advance_gc_threshold(servers, ref, 123)
     st = status(servers)
