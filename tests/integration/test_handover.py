@@ -20,7 +20,7 @@ def test_standby_leases_hand_over_on_release_and_join_everything_once(
 ) -> None:
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=2)
-    result = run_leases(tmp_path, login_as(dsn, "photon_joiner"), mode="standby", lease_s=12, seconds=40, rate=300)
+    result = run_leases(tmp_path, login_as(dsn, "photon_joiner"), mode="standby", lease_s=10, seconds=30, rate=300)
     print(result)
     assert result["audit_ok"], result["failures"]
     assert result["leases"] >= 3
