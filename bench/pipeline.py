@@ -6,9 +6,9 @@
    the peer a Spark user would write instead (bench/peer.py: Structured Streaming's stream-stream join, watermarks on
    both sides, dropDuplicatesWithinWatermark on click ids, an event-time range condition, a Parquet sink,
    availableNow, RocksDB state), in the same local[2] session, each timed without the session's start (both warmed
-   up first); events/s (queries + clicks per second of processing) and the ratio; both joined counts; each again as
-   a whole process of its own (--no-whole-process skips it); where the joiner's time goes, per stage
-   (bench/stages.py; --no-stages skips it).
+   up first; --repeat N runs each N times, alternating, and keeps the best of each); events/s (queries + clicks per
+   second of processing) and the ratio; both joined counts; each again as a whole process of its own
+   (--no-whole-process skips it); where the joiner's time goes, per stage (bench/stages.py; --no-stages skips it).
 2. The ceiling: Spark reading the default workload's JSON logs and writing Parquet, nothing else (schema inferred,
    and given; the faster counts), against the joiner's rate on the same logs.
 3. Live, at rising rates (--live-rates, events/s per replica, for --live-seconds each; --no-live skips it): the
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument(
         "--workloads", nargs="+", choices=("default", "long_non_ascii"), default=["default", "long_non_ascii"]
     )
+    ap.add_argument("--repeat", type=int, default=1, help="side by side: runs of each side, alternating; the best")
     ap.add_argument("--no-whole-process", action="store_true", help="skip each side's run as a process of its own")
     ap.add_argument("--no-stages", action="store_true", help="skip the joiner's per-stage breakdown")
     ap.add_argument("--no-live", action="store_true", help="skip the live runs")
@@ -82,6 +83,7 @@ def main() -> None:
                 whole_process=not args.no_whole_process,
                 stages=not args.no_stages,
                 keep_logs=name == "default",
+                repeat=args.repeat,
             )
             if name == "default":
                 ceiling = measure_ceiling(spark, root / "logs", tmp / "ceiling", side[name]["events"])
