@@ -34,6 +34,7 @@ from photon.parse import (
     parse_file_by_line,
 )
 from photon.schemas import MAX_LINE_BYTES
+from tests.unit.test_parse import C, Q  # one valid query and click line, shared
 
 _COMMON = {
     "deadline": None,
@@ -356,14 +357,6 @@ def mutated_event(draw: st.DrawFn, kind: str) -> bytes:
     return line
 
 
-Q = (
-    b'{"query_id": "10.1.2.3-7-1763700000000001", "ts_us": 1763700000000001, "user_id": "u1", "query_text": "tea", '
-    b'"country": "DE", "ads": [{"ad_id": "a1", "advertiser_id": "x1", "bid_micros": 5}]}'
-)
-C = (
-    b'{"click_id": "10.1.2.3-7-1763700000000009", "ts_us": 1763700000000009, '
-    b'"query_id": "10.1.2.3-7-1763700000000001", "ad_id": "a1"}'
-)
 # Ready-made good lines (cheap to draw) in a few spellings, to surround the lines under test.
 GOOD = {
     kind: [
