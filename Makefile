@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
 # `.venv/bin/photon` (or `source .venv/bin/activate`, or `make shell`) is the command line.
 setup: $(VENV)/.ready
-	@grep -qxF "$(CURDIR)/plugins" "$(VENV)/lib/python3*/site-packages/_photon_airflow.pth" 2>/dev/null \
+	@grep -qxF "$(CURDIR)/plugins" $(VENV)/lib/python3*/site-packages/_photon_airflow.pth 2>/dev/null \
 	  || "$(VENV)/bin/pip" install --quiet --no-deps --no-build-isolation -e .
 	@ln -sfn "$(VENV)" .venv
 	@cmp -s plugins/photon/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json" \
