@@ -48,7 +48,7 @@ def test_the_standby_that_loses_the_race_waits_for_the_winners_whole_term(
     took: dict[int, str] = {}
 
     def standby(i: int) -> None:
-        took[i] = standbys[i].take_over(stale_s=1.5, timeout_s=6.0)  # a lease is overdue 6 s after its start
+        took[i] = standbys[i].take_over(stale_s=3.0, timeout_s=6.0)  # a lease is overdue 6 s after its start
 
     threads = [threading.Thread(target=standby, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
