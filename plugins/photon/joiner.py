@@ -727,6 +727,14 @@ class Joiner:
 
         return listing("queries", None), listing("clicks", self.s.max_click_files)
 
+    def _behind_marks(self, path: Path) -> bool:
+        """A log file in a partition behind its kind's mark: it is never listed again."""
+        rel = path.relative_to(self.logs / self.dc)  # <kind>/<day>/<minute>/<name>, or <kind>/<name>
+        if len(rel.parts) != 4:
+            return False
+        mark = self.marks.get(rel.parts[0])
+        return mark is not None and f"{rel.parts[1]}/{rel.parts[2]}" < mark
+
     def _in_window(self, kind: str, path: Path) -> bool:
         s = self.s
         if s.window_start_us is None or s.window_end_us is None:
@@ -832,7 +840,7 @@ class Joiner:
                 for kind, n in self.consumed
                 if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
             }
-            self._first_ts = {p: ts for p, ts in self._first_ts.items() if p.exists()}
+            self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
