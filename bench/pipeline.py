@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument(
         "--workloads", nargs="+", choices=("default", "long_non_ascii"), default=["default", "long_non_ascii"]
     )
-    ap.add_argument("--repeat", type=int, default=1, help="side by side: runs of each side, alternating; the best")
+    ap.add_argument("--repeat", type=int, default=3, help="side by side: runs of each side, alternating; the best")
     ap.add_argument("--no-whole-process", action="store_true", help="skip each side's run as a process of its own")
     ap.add_argument("--no-stages", action="store_true", help="skip the joiner's per-stage breakdown")
     ap.add_argument("--no-live", action="store_true", help="skip the live runs")

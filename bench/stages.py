@@ -215,12 +215,14 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
     timers = clock.timers
     patches = [
         (pathlib.Path, "read_bytes", "read files"),
-        (joiner_mod, "parse_file", "parse"),
-        (eventstore, "write_queries", "EventStore write (bucketing)"),
+        (joiner_mod, "parse_file_located", "parse"),
+        (eventstore, "write_index", "EventStore index (bucketing)"),
+        (eventstore, "_write_ipc", "EventStore index write"),
         (eventstore, "atomic_write", "Parquet encode + write"),
         (os, "fsync", "fsync"),
         (IdRegistry, "lookup", "registry pre-filter lookup"),
         (eventstore.EventStoreCache, "lookup", "EventStore lookup"),
+        (eventstore.EventStoreCache, "_read_lines", "EventStore: query lines read back and parsed"),
         (joiner_mod, "run_adapter", "adapter"),
         (IdRegistry, "register", "registry register"),
     ]

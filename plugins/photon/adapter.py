@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from photon.schemas import JOINED_SCHEMA
 
@@ -20,28 +22,38 @@ ADAPTED_SCHEMA = pa.schema(
 
 
 def default_adapter(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Fill the joined row of EVENTS.md from the clicked ad; a click on an ad its query did not show is filtered."""
-    cols = batch.to_pydict()
-    advertiser, bid, reason = [], [], []
-    for ad_id, ads in zip(cols["ad_id"], cols["ads"], strict=True):
-        ad = next((a for a in ads or [] if a["ad_id"] == ad_id), None)
-        advertiser.append(ad["advertiser_id"] if ad else None)
-        bid.append(ad["bid_micros"] if ad else None)
-        reason.append(None if ad else "clicked ad not shown with its query")
-    return pa.RecordBatch.from_pydict(
-        {
-            "click_id": cols["click_id"],
-            "query_id": cols["query_id"],
-            "ad_id": cols["ad_id"],
-            "click_ts_us": cols["click_ts_us"],
-            "query_ts_us": cols["query_ts_us"],
-            "user_id": cols["user_id"],
-            "query_text": cols["query_text"],
-            "country": cols["country"],
-            "advertiser_id": advertiser,
-            "bid_micros": bid,
-            "reason": reason,
-        },
+    """Fill the joined row of EVENTS.md from the clicked ad (the first of its query's ads with the clicked ad_id); a
+    click on an ad its query did not show is filtered. Vectorised: the query's columns pass through untouched."""
+    n = batch.num_rows
+    # A null list shows no ad. Filled with empty lists first: a null slot may still span child values in Arrow's
+    # format, which list_flatten skips and list_parent_indices counts.
+    ads = pc.fill_null(batch.column("ads"), pa.scalar([], batch.schema.field("ads").type))
+    flat = pc.list_flatten(ads)
+    parents = pc.list_parent_indices(ads).to_numpy()
+    match = pc.fill_null(pc.equal(pc.struct_field(flat, "ad_id"), batch.column("ad_id").take(pa.array(parents))), False)
+    hits = np.flatnonzero(match.to_numpy(zero_copy_only=False))
+    rows, first = np.unique(parents[hits], return_index=True)  # the first matching ad of each click
+    pick = np.full(n, -1, np.int64)
+    pick[rows] = hits[first]
+    shown = pick >= 0
+    at = pa.array(np.where(shown, pick, 0))
+    null_unless_shown = pa.array(~shown)
+    if len(flat):
+        advertiser = pc.if_else(
+            null_unless_shown, pa.scalar(None, pa.string()), pc.struct_field(flat, "advertiser_id").take(at)
+        )
+        bid = pc.if_else(null_unless_shown, pa.scalar(None, pa.int64()), pc.struct_field(flat, "bid_micros").take(at))
+    else:
+        advertiser, bid = pa.nulls(n, pa.string()), pa.nulls(n, pa.int64())
+    reason = pc.if_else(null_unless_shown, "clicked ad not shown with its query", pa.scalar(None, pa.string()))
+    return pa.RecordBatch.from_arrays(
+        [
+            *(batch.column(name) for name in ("click_id", "query_id", "ad_id", "click_ts_us", "query_ts_us")),
+            *(batch.column(name) for name in ("user_id", "query_text", "country")),
+            advertiser,
+            bid,
+            reason,
+        ],
         schema=ADAPTED_SCHEMA,
     )
 

@@ -1,21 +1,34 @@
-"""The EventStore: primary events (queries) kept by time bucket, so a lookup knows where to look from the query id.
+"""The EventStore: where each primary event (query) is, kept by time bucket, so a lookup knows where to look from the
+query id alone.
 
-Storage (Photon's LogsEventStore) is Parquet under ``<pipeline>/_state/eventstore/bucket=<n>/<batch tag>-q<i>.parquet``:
-a batch stages its new queries under its own staging folder and moves them there, under the same file name, once the
-batch is committed. The cache (Photon's CacheEventStore) lives in the Spark executors' Python workers, which the
-session keeps alive across micro-batches: each worker holds the most recently used buckets in memory and, on every
-lookup, lists the bucket's folders and reads only the files it has not seen. A lookup whose bucket was resident is a
-hit; a bucket that has to be read from storage is a miss. Files that vanished (a staged batch that never committed)
-are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its own. A batch's own
-staged files are cached under their names too: they keep them when the batch commits and they move into storage.
+As Photon's LogsEventStore, it stores an index, not the queries: per query its id, its time, and where its line is in
+the logs (file, byte offset, length). The logs keep every line (closed files never change, EVENTS.md), so a lookup
+reads just the lines of the queries its clicks want and parses them again. A batch's first stage parses every query
+line anyway (every line must become an event or a quarantine record), so storing the index costs about 50 bytes per
+query instead of a copy of every query, and a lookup reads a few lines instead of whole buckets of queries.
+
+Storage is Arrow IPC files under ``<pipeline>/_state/eventstore/bucket=<n>/<batch tag>-q<i>.arrow``, memory-mapped
+when read: a batch stages its index under its own staging folder and moves it there, under the same file name, once
+the batch is committed. The cache (Photon's CacheEventStore) lives in the Spark executors' Python workers, which the
+session keeps alive across micro-batches: each worker holds the most recently used buckets' indexes in memory and,
+on every lookup, lists the bucket's folders and reads only the files it has not seen. A lookup whose bucket was
+resident is a hit; a bucket that has to be read from storage is a miss. Files that vanished (a staged batch that
+never committed) are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its
+own. A batch's own staged files are cached under their names too: they keep them when the batch commits.
+
+Stores written before the index (``.parquet`` files holding whole queries) are still read.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -25,39 +38,72 @@ import pyarrow.parquet as pq
 from photon.durable import CorruptStateError, write_durably
 from photon.ids import valid_ids
 
+log = logging.getLogger(__name__)
 US = 1_000_000
 RECOVER_STORE = (
     "It was synced before its batch committed, so it was damaged since. Restore it from a backup of the output "
     "folder, or move it aside (mv FILE FILE.corrupt): the pipeline then goes on, and a click whose query was only in "
     "it becomes unjoinable here (the other data center's pipeline can still join it)."
 )
-STORED_COLUMNS = ["query_id", "ts_us", "user_id", "query_text", "country", "ads"]
+INDEX = pa.schema(
+    [
+        ("query_id", pa.string()),
+        ("ts_us", pa.int64()),
+        ("file", pa.dictionary(pa.int32(), pa.string())),  # the log file's name under queries/ (EVENTS.md)
+        ("offset", pa.int64()),  # of the line's first byte
+        ("length", pa.int64()),  # of the line, without its newline
+    ]
+)
+INDEX_SUFFIX, LEGACY_SUFFIX = ".arrow", ".parquet"
+STORED_COLUMNS = ["query_id", "ts_us", "user_id", "query_text", "country", "ads"]  # a legacy file's columns
 
 
 def bucket_of(ts_us: np.ndarray, bucket_s: int) -> np.ndarray:
     return np.floor_divide(ts_us, bucket_s * US)
 
 
+def index_of(queries: pa.Table, file: str, offsets: np.ndarray, lengths: np.ndarray) -> pa.Table:
+    """The index rows of one log file's queries (row i's line starts at ``offsets[i]``)."""
+    n = queries.num_rows
+    return pa.table(
+        {
+            "query_id": queries.column("query_id"),
+            "ts_us": queries.column("ts_us"),
+            "file": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([file], pa.string())),
+            "offset": pa.array(offsets, pa.int64()),
+            "length": pa.array(lengths, pa.int64()),
+        },
+        schema=INDEX,
+    )
+
+
 @dataclass
 class _Bucket:
-    files: dict[str, pa.Table] = field(default_factory=dict)  # file name -> its queries
-    table: pa.Table | None = None  # all files as one chunked table (rebuilt when the set changes)
+    files: dict[str, pa.Table] = field(default_factory=dict)  # index file name -> its rows
+    legacy: dict[str, pa.Table] = field(default_factory=dict)  # legacy file name -> its queries
+    table: pa.Table | None = None  # all index files as one chunked table (rebuilt when the set changes)
+    legacy_table: pa.Table | None = None
 
 
 @dataclass
 class LookupStats:
     lookups: int = 0
     hits: int = 0  # lookups whose bucket was already in memory
-    files_read: int = 0
+    files_read: int = 0  # store files read
+    lines_read: int = 0  # query lines read back from the logs
+    lines_missing: int = 0  # indexed lines that could not be read back as their query (a log file gone or changed)
+    # Per requested id: indexed, but no stored copy read back (its log files removed or changed since).
+    unreadable: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
 
 class EventStoreCache:
-    """Per-process cache of stored buckets for one pipeline's EventStore."""
+    """Per-process cache of stored buckets for one pipeline's EventStore, over one data center's query logs."""
 
-    def __init__(self, root: Path, max_buckets: int, max_rows: int = 5_000_000):
+    def __init__(self, root: Path, logs: Path, max_buckets: int, max_rows: int = 20_000_000):
         self.root = root
+        self.logs = logs  # <logs>/<dc>/queries: index rows name their files relative to it
         self.max_buckets = max(1, max_buckets)
-        self.max_rows = max(1, max_rows)  # memory bound: at 100k queries/s, 30 minutes would not fit in a worker
+        self.max_rows = max(1, max_rows)  # memory bound, at about 60 bytes per indexed query
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
 
     def lookup(
@@ -66,62 +112,161 @@ class EventStoreCache:
         """(queries, found, stats): row i of ``queries`` is the query of ``query_ids[i]`` where ``found[i]``.
         ``staged`` is the running batch's own staged store: its files are cached under their names, which they keep
         when the batch is committed and moved into the store."""
-        stats = LookupStats(lookups=len(query_ids))
+        from photon.parse import QUERY_FIELDS
+
+        stats = LookupStats(lookups=len(query_ids), unreadable=np.zeros(len(query_ids), bool))
         valid, ts = valid_ids(query_ids)
         of = bucket_of(ts, bucket_s)
-        tables = []
+        index, legacy = [], []
         for b in np.unique(of[valid]).tolist():
             resident = b in self.buckets
-            table = self._bucket(int(b), staged, stats)
+            entry = self._bucket(int(b), staged, stats)
             if resident:
                 stats.hits += int(np.count_nonzero(valid & (of == b)))
-            if table is not None:
-                tables.append(table)
-        if not tables:
-            return _nulls(len(query_ids)), np.zeros(len(query_ids), bool), stats
-        pool = pa.concat_tables(tables)  # zero-copy: one chunk per file
-        # Hash the batch's few distinct query ids and probe the buckets' ids with them (not the other way round:
-        # a bucket holds far more queries than a batch has clicks).
+            if entry.table is not None:
+                index.append(entry.table)
+            if entry.legacy_table is not None:
+                legacy.append(entry.legacy_table)
+        queries = _nulls(len(query_ids))
+        found = np.zeros(len(query_ids), bool)
         wanted = pc.unique(query_ids)
-        probe = pc.index_in(pool.column("query_id"), value_set=wanted)
-        pool_rows = np.flatnonzero(pc.is_valid(probe).to_numpy(zero_copy_only=False))
-        wanted_pos = pc.drop_null(probe).to_numpy(zero_copy_only=False) if len(pool_rows) else np.zeros(0, np.int64)
-        row_of = np.full(len(wanted), -1, np.int64)
-        uniq, first = np.unique(wanted_pos, return_index=True)  # the first stored copy of each query
-        row_of[uniq] = pool_rows[first]
-        rows = row_of[pc.index_in(query_ids, value_set=wanted).to_numpy(zero_copy_only=False)]
-        found = (rows >= 0) & valid
-        return pool.take(pa.array(np.where(found, rows, 0))), found, stats
+        if index:
+            # Every stored copy of a wanted id, in store order (the same query may be stored more than once: logged
+            # twice, recovered, a file moved into a partition); each id takes the first copy that reads back as
+            # itself, so a copy whose log file is gone does not hide another.
+            pool = pa.concat_tables(index)  # zero-copy: one chunk per file
+            probe = pc.index_in(pool.column("query_id"), value_set=wanted)
+            copies = np.flatnonzero(pc.is_valid(probe).to_numpy(zero_copy_only=False))
+            if len(copies):
+                of_wanted = pc.drop_null(probe).to_numpy(zero_copy_only=False)
+                got, ok = self._read_lines(pool.take(pa.array(copies)), stats)
+                readable = np.flatnonzero(ok)
+                pick = np.full(len(wanted), -1, np.int64)
+                uniq, first = np.unique(of_wanted[readable], return_index=True)
+                pick[uniq] = readable[first]
+                indexed = np.zeros(len(wanted), bool)
+                indexed[of_wanted] = True
+                at = pc.fill_null(pc.index_in(query_ids, value_set=wanted), -1).to_numpy()
+                sel = np.where(at >= 0, pick[np.maximum(at, 0)], -1)
+                found = (sel >= 0) & valid
+                stats.unreadable = valid & (at >= 0) & indexed[np.maximum(at, 0)] & ~found
+                queries = got.take(pa.array(np.where(found, sel, 0)))
+        if legacy and not found.all():
+            pool = pa.concat_tables(legacy)
+            rows = _first_rows(pool.column("query_id"), wanted, query_ids)
+            old = (rows >= 0) & valid & ~found
+            if old.any():
+                # Stitch per column: row i comes from the legacy pool where ``old``, from the index's result otherwise.
+                from_old = pool.select(STORED_COLUMNS).cast(QUERY_FIELDS).take(pa.array(np.where(old, rows, 0)))
+                mask = pa.array(old)
+                queries = pa.table(
+                    {n: pc.if_else(mask, from_old.column(n), queries.column(n)) for n in QUERY_FIELDS.names},
+                    schema=QUERY_FIELDS,
+                )
+                found |= old
+                stats.unreadable &= ~old
+        return queries, found, stats
 
-    def _bucket(self, b: int, staged: Path | None, stats: LookupStats) -> pa.Table | None:
+    def _read_lines(self, rows: pa.Table, stats: LookupStats) -> tuple[pa.Table, np.ndarray]:
+        """The queries of index ``rows`` read back from the logs and parsed again, in row order, and whether each
+        read back as the query it was indexed as (a log file deleted or changed since is a miss, and logged)."""
+        from photon.parse import QUERY_FIELDS, parse_file_located
+
+        n = rows.num_rows
+        if not n:
+            return QUERY_FIELDS.empty_table(), np.zeros(0, bool)
+        files = rows.column("file").combine_chunks()
+        names = files.dictionary.to_pylist()
+        codes = files.indices.to_numpy(zero_copy_only=False)
+        offsets, lengths = rows.column("offset").to_numpy(), rows.column("length").to_numpy()
+        order = np.argsort(codes, kind="stable")
+        lines: list[bytes] = [b""] * n
+        unread = 0
+        for code in np.unique(codes).tolist():
+            at = order[np.searchsorted(codes[order], code) : np.searchsorted(codes[order], code, side="right")]
+            path = self.logs / names[code]
+            try:
+                with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    for i, o, ln in zip(at.tolist(), offsets[at].tolist(), lengths[at].tolist(), strict=True):
+                        lines[i] = mm[o : o + ln]
+            except (OSError, ValueError) as exc:  # gone, or emptied (mmap refuses an empty file)
+                log.error("EventStore: %d quer(ies) indexed in %s cannot be read back: %s", len(at), path, exc)
+                unread += len(at)
+        stats.lines_read += n
+        # Lines were valid when indexed: parse them together (Arrow's fast path). Each event is matched to the line
+        # it came from by its offset, and must be the very query indexed there (same id and time).
+        buffer = b"".join(line + b"\n" for line in lines)
+        good, _, starts, _ = parse_file_located("eventstore", buffer, "queries")
+        line_starts = np.cumsum([0] + [len(line) + 1 for line in lines[:-1]], dtype=np.int64)
+        row_of_line = np.full(n, -1, np.int64)
+        row_of_line[np.searchsorted(line_starts, starts)] = np.arange(good.num_rows)
+        ok = row_of_line >= 0
+        got = good.take(pa.array(np.maximum(row_of_line, 0))) if good.num_rows else _nulls(n)
+        if good.num_rows:
+            for column in ("query_id", "ts_us"):
+                ok &= pc.fill_null(pc.equal(got.column(column), rows.column(column)), False).to_numpy(
+                    zero_copy_only=False
+                )
+        missing = int(np.count_nonzero(~ok))
+        stats.lines_missing += missing
+        if missing > unread:
+            log.error(
+                "EventStore: %d indexed quer(ies) did not read back as themselves (log files changed)", missing - unread
+            )
+        return got, ok
+
+    def _bucket(self, b: int, staged: Path | None, stats: LookupStats) -> _Bucket:
         names = {}
         for root in (self.root, staged):
             folder = root / f"bucket={b}" if root is not None else None
             if folder is not None and folder.is_dir():
-                names.update({n: folder / n for n in os.listdir(folder) if n.endswith(".parquet")})
+                names.update({n: folder / n for n in os.listdir(folder) if n.endswith((INDEX_SUFFIX, LEGACY_SUFFIX))})
         entry = self.buckets.pop(b, None) or _Bucket()
         self.buckets[b] = entry  # most recently used last
         changed = False
-        for gone in set(entry.files) - set(names):
-            del entry.files[gone]
-            changed = True
+        for files in (entry.files, entry.legacy):
+            for gone in set(files) - set(names):
+                del files[gone]
+                changed = True
         for name in sorted(names):
-            if name not in entry.files:
-                try:
-                    entry.files[name] = pq.read_table(names[name], columns=STORED_COLUMNS)
-                except (pa.ArrowInvalid, OSError) as exc:
-                    raise CorruptStateError(f"{names[name]} cannot be read ({exc}). {RECOVER_STORE}") from None
+            files = entry.files if name.endswith(INDEX_SUFFIX) else entry.legacy
+            if name not in files:
+                files[name] = read_store_file(names[name])
                 stats.files_read += 1
                 changed = True
-        if changed or entry.table is None:
-            # Zero-copy: a chunk per file. Only the id column is ever combined, for the hash lookup.
+        if changed or (entry.table is None and entry.files):
+            # Zero-copy: a chunk per file (memory-mapped). Only the id column is ever hashed.
             entry.table = pa.concat_tables(entry.files.values()) if entry.files else None
+            entry.legacy_table = pa.concat_tables(entry.legacy.values()) if entry.legacy else None
         while len(self.buckets) > 1 and (len(self.buckets) > self.max_buckets or self.rows() > self.max_rows):
             self.buckets.popitem(last=False)  # least recently used first; the bucket just read stays
-        return entry.table
+        return entry
 
     def rows(self) -> int:
-        return sum(b.table.num_rows for b in self.buckets.values() if b.table is not None)
+        return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
+
+
+def _first_rows(pool_ids: pa.ChunkedArray, wanted: pa.Array, query_ids: pa.Array) -> np.ndarray:
+    """Per requested id, the pool row of its first stored copy, or -1. Hashes the batch's few distinct ids and probes
+    the pool's ids with them (not the other way round: a bucket holds far more queries than a batch has clicks)."""
+    probe = pc.index_in(pool_ids, value_set=wanted)
+    pool_rows = np.flatnonzero(pc.is_valid(probe).to_numpy(zero_copy_only=False))
+    wanted_pos = pc.drop_null(probe).to_numpy(zero_copy_only=False) if len(pool_rows) else np.zeros(0, np.int64)
+    row_of = np.full(len(wanted), -1, np.int64)
+    uniq, first = np.unique(wanted_pos, return_index=True)
+    row_of[uniq] = pool_rows[first]
+    at = pc.fill_null(pc.index_in(query_ids, value_set=wanted), -1).to_numpy()
+    return np.where(at >= 0, row_of[np.maximum(at, 0)] if len(row_of) else -1, -1)
+
+
+def read_store_file(path: Path) -> pa.Table:
+    """One store file: an index (memory-mapped, nothing copied) or a legacy file of whole queries."""
+    try:
+        if path.name.endswith(INDEX_SUFFIX):
+            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        return pq.read_table(path, columns=STORED_COLUMNS)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptStateError(f"{path} cannot be read ({exc}). {RECOVER_STORE}") from None
 
 
 def _nulls(n: int) -> pa.Table:
@@ -133,24 +278,41 @@ def _nulls(n: int) -> pa.Table:
 _CACHES: dict[str, EventStoreCache] = {}
 
 
-def cache_for(root: Path, max_buckets: int, max_rows: int = 5_000_000) -> EventStoreCache:
+def cache_for(root: Path, logs: Path, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
     """The process's cache for one pipeline's store (Python workers are reused across tasks and batches)."""
     key = str(root)
     cache = _CACHES.get(key)
-    if cache is None or (cache.max_buckets, cache.max_rows) != (max_buckets, max_rows):
-        _CACHES[key] = EventStoreCache(root, max_buckets, max_rows)
+    if cache is None or (cache.logs, cache.max_buckets, cache.max_rows) != (logs, max_buckets, max_rows):
+        _CACHES[key] = EventStoreCache(root, logs, max_buckets, max_rows)
     return _CACHES[key]
 
 
-def write_queries(queries: pa.Table, folder: Path, name: str, bucket_s: int) -> dict[int, int]:
-    """Store one file's queries by bucket under ``folder/bucket=<n>/<name>.parquet``; {bucket: rows}."""
-    buckets = bucket_of(queries.column("ts_us").to_numpy(), bucket_s)
+def write_index(index: pa.Table, folder: Path, name: str, bucket_s: int) -> dict[int, int]:
+    """Store index rows by bucket under ``folder/bucket=<n>/<name>.arrow``; {bucket: rows}."""
+    buckets = bucket_of(index.column("ts_us").to_numpy(), bucket_s)
     written = {}
     for b in np.unique(buckets).tolist():
-        part = queries.filter(pa.array(buckets == b))
-        atomic_write(part, folder / f"bucket={b}" / f"{name}.parquet")
+        part = index.filter(pa.array(buckets == b)).combine_chunks()
+        part = part.unify_dictionaries()  # one dictionary per file: the IPC file format allows no replacement
+        write_durably(folder / f"bucket={b}" / f"{name}{INDEX_SUFFIX}", partial(_write_ipc, part))
         written[int(b)] = part.num_rows
     return written
+
+
+def _write_ipc(table: pa.Table, fh: BinaryIO) -> None:
+    with pa.ipc.new_file(fh, table.schema) as writer:
+        writer.write_table(table)
+
+
+def index_rows(folder: Path) -> int:
+    """Queries indexed under a store folder, from the files' footers."""
+    if not folder.is_dir():
+        return 0
+    total = 0
+    for path in folder.rglob(f"*{INDEX_SUFFIX}"):
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        total += sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    return total
 
 
 def atomic_write(table: pa.Table, path: Path) -> None:

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from photon.ids import ID_REGEX, valid_ids
+from photon.ids import ID_REGEX
 from photon.schemas import MAX_LINE_BYTES, RAW_CAP_BYTES
 
 _ID = re.compile(ID_REGEX)
@@ -244,7 +244,7 @@ def _good_table(rows: list[dict[str, Any]], kind: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=QUERY_FIELDS if kind == "queries" else CLICK_FIELDS)
 
 
-CHUNK_LINES = 4096  # lines per Arrow read; a refused chunk is split where Arrow says, or halved
+CHUNK_LINES = 2048  # lines per Arrow read; a refused chunk is split where Arrow says, or halved, and read again
 SUB_CHUNK_LINES = 8  # below this, a refused range goes line by line
 _READ = pj.ReadOptions(use_threads=False, block_size=1 << 26)
 _PARSE = {
@@ -257,16 +257,47 @@ def _non_empty(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.fill_null(pc.greater(pc.binary_length(col), 0), False).to_numpy(zero_copy_only=False)
 
 
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+# An id that is canonical with every part surely in range: octets up to 255, a pid of at most 9 digits (a 10-digit
+# pid may exceed 2^32 - 1: the reference path decides those). One regex match, no captures.
+SURE_ID = rf"^{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})-(0|[1-9][0-9]{{0,17}})$"
+_POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
+
+
+def _sure_ids(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
+    """Per row: the id is surely valid (see ``SURE_ID``) and, given ``ts``, its timestamp part is exactly ``ts``."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    ok = pc.fill_null(pc.match_substring_regex(arr, SURE_ID), False).to_numpy(zero_copy_only=False)
+    if ts is None or not ok.any():
+        return ok
+    # The timestamp part is the digits after the last "-" (the match holds the shape): compare them with ts's
+    # decimal digits, right to left, all rows at once.
+    width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+    ends = np.frombuffer(arr.buffers()[1], width)[arr.offset + 1 : arr.offset + len(arr) + 1].astype(np.int64)
+    data = np.frombuffer(arr.buffers()[2], np.uint8)
+    digits = 1 + np.searchsorted(_POWERS, ts, side="right")
+    ok &= ts >= 0
+    at = np.where(ok, ends - digits - 1, 0)
+    ok &= data[at] == 45  # "-": the part has exactly as many digits as ts
+    rest = ts.copy()
+    for k in range(19):
+        check = ok & (k < digits)
+        if not check.any():
+            break
+        ok &= ~check | (data[np.where(check, ends - 1 - k, 0)] == 48 + rest % 10)
+        rest //= 10
+    return ok
+
+
 def _screen(t: pa.Table, kind: str) -> np.ndarray:
     """Rows of an Arrow-parsed chunk that certainly pass the reference checks (False means: ask the reference)."""
     ts = t.column("ts_us")
     ok = pc.is_valid(ts).to_numpy(zero_copy_only=False)
     ts_np = pc.fill_null(ts, 0).to_numpy()
     own, other = ("query_id", None) if kind == "queries" else ("click_id", "query_id")
-    valid, id_ts = valid_ids(t.column(own))
-    ok &= valid & (id_ts == ts_np)
+    ok &= _sure_ids(t.column(own), ts_np)
     if other:
-        ok &= valid_ids(t.column(other))[0]
+        ok &= _sure_ids(t.column(other))
     for name in ("ad_id",) if kind == "clicks" else ("user_id", "query_text", "country"):
         ok &= _non_empty(t.column(name))
     if kind == "queries":
@@ -324,12 +355,51 @@ def _suspect_lines(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.
     return suspect
 
 
+def _ends_in_brace(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per line: its last byte, or the one before a trailing CR, is ``}`` (any other line that holds an object
+    has blanks after it, which the reference path handles)."""
+    last = buf[np.maximum(ends - 1, 0)]
+    return (last == 125) | ((last == 13) & (buf[np.maximum(ends - 2, 0)] == 125))
+
+
+UTF8_CHUNK_LINES = 256
+
+
+def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per line: not valid UTF-8 (Arrow's validation, as strict as Python's decoder: no surrogates, no overlong
+    forms, nothing above U+10FFFF), by chunks of lines; in a chunk that fails, line by line. Each byte is validated
+    about once, however many lines are bad."""
+    bad = np.zeros(len(starts), bool)
+    if not len(starts):
+        return bad
+    offsets = pa.array(np.append(starts, ends[-1]), pa.int64())
+    lines = pa.LargeStringArray.from_buffers(len(starts), offsets.buffers()[1], pa.py_buffer(content))
+    for a in range(0, len(starts), UTF8_CHUNK_LINES):
+        try:
+            lines.slice(a, UTF8_CHUNK_LINES).validate(full=True)
+        except pa.ArrowInvalid:
+            for i in range(a, min(a + UTF8_CHUNK_LINES, len(starts))):
+                try:
+                    content[starts[i] : ends[i]].decode("utf-8")
+                except UnicodeDecodeError:
+                    bad[i] = True
+    return bad
+
+
 def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
     """(events, quarantine records) of one closed log file. Events keep line order except for lines the reference
     path decided. A file not ending in a newline has a torn last line (closed files end in one): it is parsed like
     any other line, so it is malformed unless it happens to be a whole event."""
+    good, bad, _, _ = parse_file_located(name, content, kind)
+    return good, bad
+
+
+def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table, np.ndarray, np.ndarray]:
+    """``parse_file``, and where each event's line is: its first byte's offset and its length (without the
+    newline), per event row."""
     if not content:
-        return parse_file_by_line(name, content, kind)
+        good, bad = parse_file_by_line(name, content, kind)
+        return good, bad, np.zeros(0, np.int64), np.zeros(0, np.int64)
     buf = np.frombuffer(content, np.uint8)
     ends = np.flatnonzero(buf == 10)
     if buf[-1] != 10:
@@ -343,10 +413,6 @@ def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table
     def arrow(a: int, b: int) -> tuple[pa.Table | None, int | None]:
         """Arrow's reading of lines [a, b), or None and, where Arrow names it, the line it choked on."""
         lo, hi = int(starts[a]), int(min(ends[b - 1] + 1, len(content)))
-        try:
-            content[lo:hi].decode("utf-8")  # Arrow does not check UTF-8 inside strings
-        except UnicodeDecodeError as exc:
-            return None, int(np.searchsorted(starts, lo + exc.start, side="right")) - 1
         try:
             t = pj.read_json(pa.BufferReader(whole[lo:hi]), read_options=_READ, parse_options=_PARSE[kind])
         except pa.ArrowInvalid as exc:
@@ -376,9 +442,12 @@ def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table
 
     # Lines that are empty, too long or do not start with "{" never reach Arrow: it skips blank lines, and
     # pyarrow 26 crashes (SIGSEGV) on a nested explicit schema when the first value it reads is a top-level null.
-    # Nor do lines Arrow might read otherwise than the reference.
+    # Nor do lines Arrow might read otherwise than the reference (it does not check UTF-8 inside strings), nor lines
+    # certainly malformed (not ending in "}", blanks aside: a truncated line, say), each of which would make Arrow
+    # refuse a whole chunk, and the chunk be read again around it.
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
     odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | _suspect_lines(buf, starts, ends)
+    odd |= ~_ends_in_brace(buf, ends) | _invalid_utf8(content, starts, ends)
     doubt.extend(np.flatnonzero(odd).tolist())
     edges = np.flatnonzero(odd)
     a = 0
@@ -389,13 +458,23 @@ def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table
 
     schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
     pieces: list[pa.Table] = []
+    located = [np.zeros(0, np.int64)]  # the line of each event row
     if parsed:
-        table = pa.concat_tables([t for t, _ in parsed]).select(schema.names).cast(schema)
+        chunks = [t.select(schema.names).cast(schema) for t, _ in parsed]
         lines = np.concatenate([np.arange(first, first + t.num_rows) for t, first in parsed])
-        ok = _screen(table, kind)
-        pieces.append(table.filter(pa.array(ok)))
+        ok = _screen(pa.concat_tables(chunks), kind)
+        at = 0
+        for t in chunks:  # a filter copies every column: only the chunks with a doubtful row
+            keep = ok[at : at + t.num_rows]
+            at += t.num_rows
+            pieces.append(t if keep.all() else t.filter(pa.array(keep)))
+        located.append(lines[ok])
         doubt.extend(lines[~ok].tolist())
     doubt.sort()
     good, bad = _by_line_numbers(name, kind, [content[starts[i] : ends[i]] for i in doubt], doubt)
     pieces.append(_good_table(good, kind))
-    return pa.concat_tables(pieces).combine_chunks(), pa.table(bad, schema=BAD_FIELDS)
+    refused = np.asarray(bad["line"], np.int64) - 1
+    located.append(np.setdiff1d(np.asarray(doubt, np.int64), refused))  # in order, as _by_line_numbers kept them
+    rows = np.concatenate(located)
+    # Chunked (one chunk per Arrow read): combining would copy every column, and a query's are mostly not kept.
+    return pa.concat_tables(pieces), pa.table(bad, schema=BAD_FIELDS), starts[rows], lengths[rows]

@@ -21,9 +21,9 @@ from tests.integration.test_joiner import ROOT, make_logs
 
 pytestmark = pytest.mark.integration
 
-CALL = re.compile(r"^(\d+) (\d+\.\d+) (\w+)\((.*)\) = (-?\d+)(?: \w+ \(.*\))? <(\d+\.\d+)>$")
-UNFINISHED = re.compile(r"^(\d+) (\d+\.\d+) (\w+)\((.*) <unfinished \.\.\.>$")
-RESUMED = re.compile(r"^(\d+) (\d+\.\d+) <\.\.\. (\w+) resumed>(.*)\) = (-?\d+)(?: \w+ \(.*\))? <(\d+\.\d+)>$")
+CALL = re.compile(r"^(\d+) +(\d+\.\d+) (\w+)\((.*)\) = (-?\d+)(?: \w+ \(.*\))? <(\d+\.\d+)>$")
+UNFINISHED = re.compile(r"^(\d+) +(\d+\.\d+) (\w+)\((.*) <unfinished \.\.\.>$")
+RESUMED = re.compile(r"^(\d+) +(\d+\.\d+) <\.\.\. (\w+) resumed>(.*)\) = (-?\d+)(?: \w+ \(.*\))? <(\d+\.\d+)>$")
 PATH_ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
 FD_PATH = re.compile(r"^\d+<(.*)>")
 

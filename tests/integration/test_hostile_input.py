@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.adapter import default_adapter
-from photon.eventstore import write_queries
-from photon.joiner import CANDIDATE, REASON_BEFORE, REASON_TOO_LATE, _source_task, join_partition
-from photon.parse import QUERY_FIELDS, parse_query
+from photon.eventstore import index_of, index_rows, write_index
+from photon.joiner import CANDIDATE, REASON_BEFORE, REASON_LOG_GONE, REASON_TOO_LATE, _source_task, join_partition
+from photon.parse import parse_file_located
 from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
 from tests.integration.test_joiner import partition_task
 
@@ -50,10 +50,13 @@ def candidates(clicks: list[tuple[int, int]], now: int, first_seen: int | None =
 
 
 def store(task: Any, *query_ts: int) -> None:
-    """The queries as a batch's first stage stores them (its staged EventStore)."""
-    rows = [parse_query(query_line(ts)) for ts in query_ts]
-    table = pa.Table.from_pylist(rows, schema=QUERY_FIELDS)
-    write_queries(table, Path(task.stage) / "eventstore", f"{task.tag}-q000000", task.bucket_s)
+    """The queries logged, and indexed as a batch's first stage indexes them (its staged EventStore)."""
+    content = b"".join(query_line(ts) + b"\n" for ts in query_ts)
+    Path(task.logs).mkdir(parents=True, exist_ok=True)
+    (Path(task.logs) / "q-store.jsonl").write_bytes(content)
+    good, _, offsets, lengths = parse_file_located("q-store.jsonl", content, "queries")
+    index = index_of(good, "q-store.jsonl", offsets, lengths)
+    write_index(index, Path(task.stage) / "eventstore", f"{task.tag}-q000000", task.bucket_s)
 
 
 def outputs(task: Any, kind: str) -> list[dict[str, Any]]:
@@ -182,8 +185,11 @@ def test_a_query_stamped_ahead_or_before_plausible_time_is_quarantined_with_its_
     assert [(r["line"], r["kind"]) for r in bad] == [(2, "queries"), (3, "queries")]
     assert "ahead of the joiner's clock" in bad[0]["reason"] and bad[1]["reason"] == REASON_BEFORE
     assert bad[0]["raw"] == query_line(now + 3 * DAY)
-    stored = pq.read_table(Path(task.stage) / "eventstore")
-    assert stored["ts_us"].to_pylist() == [now - US]
+    stored = pa.concat_tables(
+        pa.ipc.open_file(pa.memory_map(str(p))).read_all() for p in (Path(task.stage) / "eventstore").rglob("*.arrow")
+    )
+    assert stored["ts_us"].to_pylist() == [now - US] and index_rows(Path(task.stage) / "eventstore") == 1
+    assert stored["offset"].to_pylist() == [0] and stored["length"].to_pylist() == [len(query_line(now - US))]
 
 
 def test_a_file_the_parser_still_chokes_on_is_quarantined_whole_and_the_batch_goes_on(
@@ -199,14 +205,14 @@ def test_a_file_the_parser_still_chokes_on_is_quarantined_whole_and_the_batch_go
     poison.write_bytes(b'{"click_id": "whatever"}\n')
     click = {"click_id": f"10.0.0.1-5-{now - US}", "ts_us": now - US, "query_id": f"10.0.0.2-6-{now - 2 * US}"}
     good.write_bytes(json.dumps(click | {"ad_id": "a1"}).encode() + b"\n")
-    real = photon.joiner.parse_file
+    real = photon.joiner.parse_file_located
 
-    def choking(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
+    def choking(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table, Any, Any]:
         if name == poison.name:
             raise RecursionError("maximum recursion depth exceeded")
         return real(name, content, kind)
 
-    monkeypatch.setattr(photon.joiner, "parse_file", choking)
+    monkeypatch.setattr(photon.joiner, "parse_file_located", choking)
     emitted = run_source_task(task, [("clicks", poison), ("clicks", good)])
     assert sum(b.num_rows for b in emitted) == 1
     (whole,) = outputs(task, QUARANTINE)
@@ -352,3 +358,21 @@ def test_poison_files_dropped_into_both_replicas_while_both_joiners_run(
                     reasons = [r["reason"] for r in unjoinable if r["click_id"] == click_id and r["pipeline"] == dc]
                     assert len(reasons) == 1 and reasons[0], (dc, click_id, reasons)
     assert not [i for i in ids if i.startswith("10.9.9.")]  # no poison click was joined
+
+
+def test_a_click_whose_stored_query_no_longer_reads_back_is_unjoinable_with_that_reason(
+    tmp_path: Path, servers: dict[str, str]
+) -> None:
+    """The query logs were removed before the registry's retention ran out (EVENTS.md asks to keep them that long):
+    the EventStore indexed the query, but its line is gone. The click is not silently lost, nor is it told its query
+    never came: it is unjoinable with the reason that names the cause. A click whose query was never stored keeps
+    the ordinary reason."""
+    now = int(time.time() * US)
+    task = partition_task(tmp_path, servers, now, 120 * US)
+    stored, never = now - 300 * US, now - 301 * US
+    store(task, stored)
+    (Path(task.logs) / "q-store.jsonl").unlink()
+    counts, _ = join_partition(task, candidates([(now - 200 * US, stored), (now - 199 * US, never)], now), 0)
+    assert counts["unjoinable"] == 2 and counts["joined"] == 0
+    reasons = {r["query_id"]: r["reason"] for r in outputs(task, UNJOINABLE)}
+    assert reasons == {f"10.0.0.2-6-{stored}": REASON_LOG_GONE, f"10.0.0.2-6-{never}": REASON_TOO_LATE}

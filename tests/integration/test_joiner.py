@@ -211,6 +211,7 @@ def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int
         now=now,
         stage=str(tmp_path / "stage"),
         state=str(tmp_path / "state"),
+        logs=str(tmp_path / "logs" / "dc-a" / "queries"),
         servers=tuple(servers.items()),
         token=(1 << 32) | 1,
         bucket_s=10,

@@ -1,35 +1,42 @@
-"""The EventStore cache: finds stored and staged queries, reads each file once, forgets what was never committed."""
+"""The EventStore: an index of where each query's line is in the logs (Photon's LogsEventStore), cached per worker.
+It finds stored and staged queries, reads each index file once, forgets what was never committed, reads back exactly
+the query that was indexed (or misses, never a wrong one) and still reads a store written before the index."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 
-from photon.eventstore import EventStoreCache, write_queries
-from photon.parse import QUERY_FIELDS
+from photon.eventstore import EventStoreCache, index_of, write_index
+from photon.parse import QUERY_FIELDS, parse_file_located, parse_query
 
 T0 = 1_763_700_000_000_000
 BUCKET_S = 10
 
 
-def queries(ts: list[int], text: str = "q") -> pa.Table:
-    return pa.Table.from_pylist(
-        [
-            {
-                "query_id": f"10.0.0.1-7-{t}",
-                "ts_us": t,
-                "user_id": "u",
-                "query_text": f"{text}{t}",
-                "country": "DE",
-                "ads": [{"ad_id": "a", "advertiser_id": "x", "bid_micros": 1}],
-            }
-            for t in ts
-        ],
-        schema=QUERY_FIELDS,
-    )
+def line(t: int, text: str = "q") -> bytes:
+    ad = {"ad_id": "a", "advertiser_id": "x", "bid_micros": 1}
+    q = {"query_id": f"10.0.0.1-7-{t}", "ts_us": t, "user_id": "u", "query_text": f"{text}{t}", "country": "DE"}
+    return json.dumps(q | {"ads": [ad]}, ensure_ascii=False).encode()
+
+
+def log_and_index(logs: Path, folder: Path, file: str, content: bytes, name: str) -> None:
+    """What a batch's first stage does with one query file: log it, parse it, index it by bucket."""
+    (logs / file).parent.mkdir(parents=True, exist_ok=True)
+    (logs / file).write_bytes(content)
+    good, _, offsets, lengths = parse_file_located(file, content, "queries")
+    write_index(index_of(good, file, offsets, lengths), folder, name, BUCKET_S)
+
+
+def store_queries(logs: Path, folder: Path, name: str, ts: list[int], text: str = "q") -> None:
+    log_and_index(logs, folder, f"20251121/0440/{name}.jsonl", b"".join(line(t, text) + b"\n" for t in ts), name)
 
 
 def ids(ts: list[int]) -> pa.Array:
@@ -37,41 +44,64 @@ def ids(ts: list[int]) -> pa.Array:
 
 
 def test_lookup_hits_staged_files_and_forgets_uncommitted(tmp_path: Path) -> None:
-    store, stage = tmp_path / "store", tmp_path / "stage"
+    logs, store, stage = tmp_path / "logs", tmp_path / "store", tmp_path / "stage"
     a, b = T0, T0 + 15_000_000  # two buckets
-    write_queries(queries([a, a + 1]), store, "b1-q0", BUCKET_S)
-    write_queries(queries([b]), stage, "b2-q0", BUCKET_S)
-    cache = EventStoreCache(store, max_buckets=4)
+    store_queries(logs, store, "b1-q0", [a, a + 1])
+    store_queries(logs, stage, "b2-q0", [b])
+    cache = EventStoreCache(store, logs, max_buckets=4)
 
     found_q, found, stats = cache.lookup(ids([a, b, a + 5, a + 1]), BUCKET_S, stage)
     assert found.tolist() == [True, True, False, True]
     assert found_q.column("query_text").to_pylist()[:2] == [f"q{a}", f"q{b}"]
-    assert (stats.lookups, stats.hits, stats.files_read) == (4, 0, 2)
+    assert found_q.column("query_text")[3].as_py() == f"q{a + 1}"
+    assert (stats.lookups, stats.hits, stats.files_read, stats.lines_read) == (4, 0, 2, 3)
 
-    # The batch commits: its staged file moves into the store under the same name; nothing is read again.
+    # The batch commits: its staged file moves into the store under the same name; no index file is read again.
     folder = f"bucket={b // (BUCKET_S * 1_000_000)}"
     os.makedirs(store / folder, exist_ok=True)
-    shutil.move(stage / folder / "b2-q0.parquet", store / folder / "b2-q0.parquet")
+    shutil.move(stage / folder / "b2-q0.arrow", store / folder / "b2-q0.arrow")
     _, found, stats = cache.lookup(ids([a, b]), BUCKET_S, tmp_path / "next-stage")
     assert found.tolist() == [True, True] and (stats.hits, stats.files_read) == (2, 0)
 
     # A batch that never commits: its staged queries are seen by that batch only.
-    write_queries(queries([a + 2]), stage, "b3-q0", BUCKET_S)
+    store_queries(logs, stage, "b3-q0", [a + 2])
     assert cache.lookup(ids([a + 2]), BUCKET_S, stage)[1].tolist() == [True]
     shutil.rmtree(stage)
     assert cache.lookup(ids([a + 2]), BUCKET_S, tmp_path / "b4")[1].tolist() == [False]
 
 
+def test_the_index_points_at_each_line_among_bad_lines_crlf_and_non_ascii(tmp_path: Path) -> None:
+    """Offsets are the events' own lines whichever parser path took them: Arrow's chunks, the reference's doubtful
+    lines (a CR LF ending, a key given twice), with malformed lines and long non-ASCII texts in between."""
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    ts = [T0 + i for i in range(8)]
+    lines = [
+        line(ts[0], "größer 東京 "),
+        b"{truncated",
+        line(ts[1]) + b"\r",
+        b"\xff\xfe not UTF-8",
+        line(ts[2])[:-1] + b', "query_text": "twice"}',
+        b"",
+        line(ts[3], "x" * 5000),
+        line(ts[4]),
+    ]
+    log_and_index(logs, store, "20251121/0440/mixed.jsonl", b"\n".join(lines) + b"\n", "b1-q0")
+    q, found, _ = EventStoreCache(store, logs, 4).lookup(ids(ts[:5]), BUCKET_S)
+    assert found.tolist() == [True] * 5
+    expected = [parse_query(raw) for raw in (lines[0], lines[2], lines[4], lines[6], lines[7])]
+    assert q.to_pylist() == expected
+
+
 def test_duplicates_invalid_ids_and_eviction(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    write_queries(queries([T0], "first"), store, "b1-q0", BUCKET_S)
-    write_queries(queries([T0], "second"), store, "b2-q0", BUCKET_S)
-    cache = EventStoreCache(store, max_buckets=2)
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    store_queries(logs, store, "b1-q0", [T0], "first")
+    store_queries(logs, store, "b2-q0", [T0], "second")
+    cache = EventStoreCache(store, logs, max_buckets=2)
     q, found, _ = cache.lookup(pa.array([f"10.0.0.1-7-{T0}", "not-an-id", None], pa.string()), BUCKET_S)
     assert found.tolist() == [True, False, False]
     assert q.column("query_text")[0].as_py() == f"first{T0}"
     for i in range(1, 4):  # three more buckets: the oldest is evicted
-        write_queries(queries([T0 + i * 10_000_000]), store, f"b{i + 2}-q0", BUCKET_S)
+        store_queries(logs, store, f"b{i + 2}-q0", [T0 + i * 10_000_000])
         cache.lookup(ids([T0 + i * 10_000_000]), BUCKET_S)
     assert len(cache.buckets) == 2
     _, found, stats = cache.lookup(ids([T0]), BUCKET_S)
@@ -79,10 +109,62 @@ def test_duplicates_invalid_ids_and_eviction(tmp_path: Path) -> None:
 
 
 def test_row_bound_evicts_least_recently_used_buckets(tmp_path: Path) -> None:
-    store = tmp_path / "store"
+    logs, store = tmp_path / "logs", tmp_path / "store"
     for i in range(3):
-        write_queries(queries([T0 + i * 10_000_000 + j for j in range(10)]), store, f"b{i}-q0", BUCKET_S)
-    cache = EventStoreCache(store, max_buckets=10, max_rows=25)
+        store_queries(logs, store, f"b{i}-q0", [T0 + i * 10_000_000 + j for j in range(10)])
+    cache = EventStoreCache(store, logs, max_buckets=10, max_rows=25)
     for i in range(3):
         assert cache.lookup(ids([T0 + i * 10_000_000]), BUCKET_S)[1].tolist() == [True]
     assert len(cache.buckets) == 2 and cache.rows() == 20  # the oldest bucket went to keep 25 rows at most
+
+
+def test_a_log_file_gone_or_changed_is_a_logged_miss_never_a_wrong_query(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index trusts the logs (closed files never change). When that is broken, by a log deleted too early or a
+    file rewritten, the lookup misses (the click waits, then is unjoinable here) and says which file: it never hands
+    out another query's fields, and never fails the batch."""
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    store_queries(logs, store, "gone", [T0])
+    store_queries(logs, store, "changed", [T0 + 1, T0 + 2])
+    store_queries(logs, store, "emptied", [T0 + 3])
+    store_queries(logs, store, "kept", [T0 + 4])
+    files = logs / "20251121" / "0440"
+    (files / "gone.jsonl").unlink()
+    (files / "emptied.jsonl").write_bytes(b"")
+    # The second line's bytes now hold a different query (same length): it must not be taken for T0 + 2.
+    first, second = line(T0 + 1), line(T0 + 2)
+    (files / "changed.jsonl").write_bytes(first + b"\n" + second.replace(b"q", b"Q", 1).replace(b"-7-", b"-8-") + b"\n")
+    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+        q, found, stats = EventStoreCache(store, logs, 4).lookup(ids([T0, T0 + 1, T0 + 2, T0 + 3, T0 + 4]), BUCKET_S)
+    assert found.tolist() == [False, True, False, False, True]
+    assert q.column("query_id")[4].as_py() == f"10.0.0.1-7-{T0 + 4}"
+    assert stats.lines_missing == 3 and stats.unreadable.tolist() == [True, False, True, True, False]
+    assert "gone.jsonl" in caplog.text and "emptied.jsonl" in caplog.text and "did not read back" in caplog.text
+
+
+def test_a_store_written_before_the_index_is_still_read(tmp_path: Path) -> None:
+    """A pipeline upgraded mid-flight: its clicks still waiting find the queries its older version stored whole."""
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    folder = store / f"bucket={T0 // (BUCKET_S * 1_000_000)}"
+    folder.mkdir(parents=True)
+    legacy = pa.Table.from_pylist([parse_query(line(T0, "old"))], schema=QUERY_FIELDS)
+    pq.write_table(legacy, folder / "b1-e1-q000000.parquet")
+    store_queries(logs, store, "b2-q0", [T0 + 1], "new")
+    q, found, _ = EventStoreCache(store, logs, 4).lookup(ids([T0 + 1, T0, T0 + 2]), BUCKET_S)
+    assert found.tolist() == [True, True, False]
+    assert q.column("query_text").to_pylist()[:2] == [f"new{T0 + 1}", f"old{T0}"]
+    assert q.column("ads")[1].as_py() == [{"ad_id": "a", "advertiser_id": "x", "bid_micros": 1}]
+
+
+def test_a_copy_whose_log_is_gone_does_not_hide_a_later_copy(tmp_path: Path) -> None:
+    """The same query stored twice (logged twice, recovered, or its file moved into a partition and read again):
+    the lookup takes the first copy that reads back, not just the first copy."""
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    store_queries(logs, store, "b1-q0", [T0, T0 + 1], "first")
+    store_queries(logs, store, "b2-q0", [T0], "second")
+    (logs / "20251121" / "0440" / "b1-q0.jsonl").unlink()
+    q, found, stats = EventStoreCache(store, logs, 4).lookup(ids([T0, T0 + 1, T0 + 2]), BUCKET_S)
+    assert found.tolist() == [True, False, False]
+    assert q.column("query_text")[0].as_py() == f"second{T0}"
+    assert stats.unreadable.tolist() == [False, True, False]  # T0 + 2 was never stored: a plain miss

@@ -53,6 +53,7 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "parse")
 EXAMPLES = settings.get_profile(PROFILE)
 # Lines of a megabyte: a few in the suite, more when fuzzing.
 BIG = settings(EXAMPLES, max_examples=50 if PROFILE == "parse" else 2_000)
+SMALL = settings(EXAMPLES, max_examples=2_000 if PROFILE == "parse" else 100_000)  # a single function, no files
 
 KINDS = ("queries", "clicks")
 NAME = "10.9.8.7-42-1.jsonl"
@@ -452,3 +453,44 @@ def test_lines_around_the_size_limit(data: st.DataObject, kind: str, delta: int,
     assert len(big) == MAX_LINE_BYTES + delta
     others = data.draw(LINES[kind]) if where != "alone" else []
     check(b"\n".join([*others, big, *others]) + b"\n", kind)
+
+
+def _id_and_ts() -> st.SearchStrategy[tuple[str, int]]:
+    # Mostly canonical (so that the ids the screen accepts are many), with every kind of near miss.
+    octet = st.integers(0, 255).map(str) | st.integers(0, 300).map(str) | st.sampled_from(["00", "01", "-1", ""])
+    pid = st.integers(0, 99_999).map(str) | st.integers(0, 2**33).map(str) | st.sampled_from(["007", "4294967296"])
+    ts = st.integers(0, 10**19).map(str) | st.sampled_from(["0", "00", "01", "9" * 18, "1" + "0" * 18, "-5", ""])
+    sep = st.sampled_from(["-"] * 8 + ["--", "_", " -"])
+    ident = st.tuples(octet, octet, octet, octet, pid, ts, sep).map(
+        lambda p: f"{p[0]}.{p[1]}.{p[2]}.{p[3]}-{p[4]}{p[6]}{p[5]}"
+    )
+
+    def with_ts(s: str, d: st.DrawFn) -> tuple[str, int]:
+        tail = s.rsplit("-", 1)[-1]
+        own = int(tail) if tail.isascii() and tail.isdigit() and int(tail) < 2**63 else 0
+        tail_of = own % 10 ** d(st.integers(1, 18))  # the id's last digits only: "-112" is not ts 12
+        near = d(st.sampled_from([own, own, own + 1, own - 1, own * 10, own // 10, tail_of, -own, 0, 2**63 - 1]))
+        return s + d(st.sampled_from([""] * 8 + ["x", " ", "\n"])), max(-(2**63), min(2**63 - 1, near))
+
+    return st.composite(lambda d: with_ts(d(ident | ident | ident | st.text(max_size=30)), d))()
+
+
+@SMALL
+@given(rows=st.lists(_id_and_ts(), min_size=1, max_size=8))
+def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tuple[str, int]]) -> None:
+    """The fast screen's id check (one regex match and a digit comparison) accepts only ids the reference accepts
+    with exactly that timestamp; and it accepts every canonical one whose pid has at most 9 digits."""
+    import numpy as np
+    import pyarrow as pa
+
+    from photon.ids import valid_ids
+    from photon.parse import _sure_ids
+
+    ids, ts = pa.array([i for i, _ in rows], pa.string()), np.array([t for _, t in rows], np.int64)
+    sure = _sure_ids(ids, ts)
+    valid, id_ts = valid_ids(ids)
+    assert not (sure & ~(valid & (id_ts == ts))).any()
+    ordinary = valid & (id_ts == ts) & np.array([len([*i.split("-"), "", ""][1]) <= 9 for i, _ in rows])
+    assert (sure | ~ordinary).all()
+    sliced = _sure_ids(pa.array(["x", *(i for i, _ in rows)], pa.string()).slice(1), ts)
+    assert (sliced == sure).all()
