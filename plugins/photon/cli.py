@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -392,9 +393,18 @@ def join_cmd(
         float | None,
         typer.Option(help="--standby: fence a lease that started longer ago than this (default: --run-for + 600 s)."),
     ] = None,
+    hand_over_wait: Annotated[
+        float,
+        typer.Option(
+            help="--run-for: when the term ends while a standby is still starting, go on joining up to this many "
+            "seconds until it is ready, so that it takes over without a gap (0: end on time). Keep it well under "
+            "600 s (the standby's patience)."
+        ),
+    ] = 120.0,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
     from photon.joiner import Joiner, JoinSettings
+    from photon.pipeline_state import PipelineState
     from photon.registry import read_layout
     from photon.spark_session import get_spark
 
@@ -415,13 +425,18 @@ def join_cmd(
         raise ValueError("give both --window-start and --window-end, or neither")
     servers = servers_from_settings()
     read_layout(servers["main"])  # an uninitialised or unreachable registry: one clear line, before Spark starts
-    spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
-    joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
-    if standby:
-        joiner.warm_up()
-        timeout = standby_timeout if standby_timeout is not None else (run_for or 3_000.0) + 600.0
-        why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
-        console.print(f"{dc}: took over ({why})")
+    # A standby announces itself from now on (starting, then ready once warm), so the lease before it holds on
+    # until it is ready rather than leave the pipeline idle while its Spark session starts.
+    announcing = PipelineState(servers["main"], pipeline or dc).standing_by() if standby else contextlib.nullcontext()
+    with announcing as announcement:
+        spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
+        joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
+        if announcement is not None:
+            joiner.warm_up()
+            announcement.ready()
+            timeout = standby_timeout if standby_timeout is not None else (run_for or 3_000.0) + 600.0
+            why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
+            console.print(f"{dc}: took over ({why})")
     lease = joiner.lease or joiner.start()
     console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch}")
 
@@ -433,9 +448,16 @@ def join_cmd(
             f"quarantined, {m['duration_s']:.1f}s"
         )
 
-    results = joiner.run(run_for_s=run_for, until_caught_up=until_caught_up, drain=drain, on_batch=report)
+    results = joiner.run(
+        run_for_s=run_for,
+        until_caught_up=until_caught_up,
+        drain=drain,
+        on_batch=report,
+        hand_over_wait_s=hand_over_wait,
+    )
     joiner.release()  # a standby takes over now
-    console.print(f"{dc}: {len(results)} batch(es) committed")
+    held = f" (held on {joiner.held_s:.1f}s for a standby to be ready)" if joiner.held_s >= 0.5 else ""
+    console.print(f"{dc}: {len(results)} batch(es) committed{held}")
 
 
 @app.command("verify")

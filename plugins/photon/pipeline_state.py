@@ -5,6 +5,11 @@ A lease takes a new epoch. A batch commits in one transaction that advances ``la
 the lease's epoch is still current: a zombie lease that Airflow gave up on can never move the position or publish
 a batch after its successor started. Committing batch k again with the same epoch is a no-op; committing out of
 order is refused.
+
+A standby (the next lease, started while the current one runs) announces itself in ``photon.standbys`` from its
+process start: ``starting`` while it starts its Spark session and warms up, ``ready`` once it waits for its turn. A
+lease whose term is over releases the pipeline at once if a standby is ready (or none is coming), and otherwise keeps
+joining, for a bounded time, until the one that is starting is ready: the hand-over never waits for a Spark start.
 """
 
 from __future__ import annotations
@@ -27,6 +32,16 @@ from photon.pg import autocommit, connect
 
 log = logging.getLogger(__name__)
 
+# A standby refreshes its announcement this often; one not refreshed for STANDBY_FRESH_S seconds (by the server's
+# clock) died or was stopped, and a lease does not wait for it.
+STANDBY_EVERY_S = 1.0
+STANDBY_FRESH_S = 10.0
+
+
+def holder_name() -> str:
+    """How a lease or a standby names its process: host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 class FencedError(RuntimeError):
     """This lease's epoch is no longer current, or the batch is out of order: stop, commit nothing."""
@@ -45,6 +60,20 @@ class Lease:
         return Token(self.owner_id, batch_seq)
 
 
+class StandbyAnnouncement:
+    """What a standby announces (``PipelineState.standing_by``): ``starting`` until ``ready()``, which is announced
+    at once."""
+
+    def __init__(self) -> None:
+        self.phase = "starting"
+        self.stopped = False
+        self.wake = threading.Event()
+
+    def ready(self) -> None:
+        self.phase = "ready"
+        self.wake.set()
+
+
 class PipelineState:
     def __init__(self, main_dsn: str, pipeline: str):
         self.dsn = main_dsn
@@ -54,7 +83,7 @@ class PipelineState:
         """Take a new epoch (fencing the lease before). With ``unless_live_within_s``, only if no lease holds the
         pipeline with a heartbeat that recent (a standby must not fence the lease another standby just took):
         None if one does."""
-        holder = f"{socket.gethostname()}:{os.getpid()}"
+        holder = holder_name()
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
             with conn.cursor() as cur:
@@ -276,6 +305,83 @@ class PipelineState:
                 if row[2] is not None and float(row[2]) > timeout_s:
                     return "timeout"
                 time.sleep(poll_s)
+
+    # standbys ------------------------------------------------------------------------------------------------
+    def announce_standby(self, phase: str, holder: str | None = None, conn: Any = None) -> None:
+        """Say that a standby of this pipeline is ``starting`` or ``ready`` (waiting for its turn), as of now."""
+        with contextlib.ExitStack() as stack:
+            if conn is None:
+                conn = stack.enter_context(autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}"))
+            with conn.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO photon.standbys (pipeline, holder, phase) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (pipeline, holder) DO UPDATE SET phase = excluded.phase, seen_at = now()",
+                    (self.pipeline, holder or holder_name(), phase),
+                )
+
+    def withdraw_standby(self, holder: str | None = None) -> None:
+        """This standby took over, or gave up: it is nobody's successor any more."""
+        with autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}") as conn, conn.cursor() as cur:
+            cur.execute(
+                "DELETE FROM photon.standbys WHERE pipeline = %s"
+                " AND (holder = %s OR seen_at < now() - interval '1 hour')",
+                (self.pipeline, holder or holder_name()),
+            )
+
+    def successor(self, fresh_s: float = STANDBY_FRESH_S) -> str | None:
+        """The most advanced live standby's phase: ``ready`` if one waits for its turn, else ``starting`` if one is
+        starting, else None. Live: announced within ``fresh_s`` seconds, by the server's clock."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT phase FROM photon.standbys"
+                " WHERE pipeline = %s AND seen_at >= now() - make_interval(secs => %s)",
+                (self.pipeline, fresh_s),
+            )
+            phases = {str(p) for (p,) in cur.fetchall()}
+        return "ready" if "ready" in phases else "starting" if phases else None
+
+    @contextlib.contextmanager
+    def standing_by(self, every_s: float = STANDBY_EVERY_S) -> Iterator[StandbyAnnouncement]:
+        """A standby's whole wait, from its process start to its take-over: announced ``starting`` at once, then
+        every ``every_s`` seconds in the phase the block sets (``announcement.ready()``), and withdrawn at the end. A
+        registry that cannot be reached is retried at the next beat; the announcement only ever shortens a gap."""
+        announcement = StandbyAnnouncement()
+        holder = holder_name()
+
+        def beat() -> None:
+            conn = None
+            while True:
+                announcement.wake.wait(every_s)
+                announcement.wake.clear()  # a phase set from here on is announced now, or at the next wake
+                if announcement.stopped:
+                    break
+                try:
+                    if conn is None or conn.closed:
+                        conn = connect(self.dsn, application_name=f"photon-standby-{self.pipeline}")
+                        conn.autocommit = True
+                    self.announce_standby(announcement.phase, holder, conn)
+                except Exception as exc:  # the registry is down: the next beat tries again, on a new connection
+                    log.warning("%s: standby announcement failed: %s", self.pipeline, exc)
+                    with contextlib.suppress(Exception):
+                        conn.close()  # type: ignore[union-attr]
+                    conn = None
+            if conn is not None:
+                conn.close()
+
+        with contextlib.suppress(Exception):  # announced before the block runs (the thread retries a failure)
+            self.announce_standby(announcement.phase, holder)
+        thread = threading.Thread(target=beat, name=f"photon-standby-{self.pipeline}", daemon=True)
+        thread.start()
+        try:
+            yield announcement
+        finally:
+            announcement.stopped = True
+            announcement.wake.set()
+            thread.join(timeout=10)
+            try:
+                self.withdraw_standby(holder)
+            except Exception as exc:  # its row goes stale within seconds anyway
+                log.warning("%s: standby withdrawal failed: %s", self.pipeline, exc)
 
     def heartbeat(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:

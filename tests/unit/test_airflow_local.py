@@ -1,5 +1,6 @@
 """``photon airflow``'s pure parts: its airflow.cfg edits, the metadata URL, the executor's size, the components'
-environment, and photon_backfill's timetable (no run from the scheduler, every interval of a backfill)."""
+environment, photon_backfill's timetable (no run from the scheduler, every interval of a backfill), and the join DAGs'
+default lease (from the environment at parse time)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pendulum
+import pytest
 
 from photon.airflow.standalone import LocalAirflow, default_parallelism, sqlalchemy_url, write_config
 
@@ -113,3 +115,19 @@ def test_backfill_only_timetable_gives_the_scheduler_nothing_and_a_backfill_ever
     manual = tt.infer_manual_data_interval(run_after=pendulum.datetime(2026, 11, 20, 3, 30, tz="UTC"))
     assert (manual.start, manual.end) == (datetime(2026, 11, 20, 2, tzinfo=UTC), datetime(2026, 11, 20, 3, tzinfo=UTC))
     assert BackfillOnlyTimetable.deserialize(tt.serialize()) == tt and tt.summary == "0 * * * * (backfill only)"
+
+
+def test_the_join_dags_default_lease_comes_from_the_environment_at_parse_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from photon.airflow.dags import join_dag, lease_s
+
+    monkeypatch.setenv("PHOTON_JOIN_LEASE_S", "45")  # e.g. bench/handover_airflow.py: several hand-overs in minutes
+    dag = join_dag("dc-a", standby=True)
+    assert dag.params["lease_s"] == 45 == lease_s()
+    args = dag.get_task("joiner_lease").application_args
+    assert args[args.index("--hand-over-wait") + 1] == "{{ params.hand_over_wait_s }}" and "--standby" in args
+    assert dag.params["hand_over_wait_s"] == 120
+    monkeypatch.delenv("PHOTON_JOIN_LEASE_S")
+    assert lease_s() == 300
+    monkeypatch.setenv("PHOTON_JOIN_LEASE_S", "5")
+    with pytest.raises(ValueError, match="10 to 3600"):
+        lease_s()

@@ -1,6 +1,7 @@
 """DAG builders: the files in ``dags/`` call these and nothing else.
 
-Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``); paths come from the Variables
+Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``, ``PHOTON_TASK_RETRIES``,
+``PHOTON_JOIN_LEASE_S``); paths come from the Variables
 ``photon_logs`` and ``photon_out`` (templated, so read when a task runs), endpoints from the connections
 ``photon_registry_<component>`` (each falling back to ``photon_registry``) and ``spark_default``, tunables from each
 DAG's params (the form the UI shows on "Trigger DAG w/ config").
@@ -44,6 +45,15 @@ def retries() -> dict[str, Any]:
     }
 
 
+def lease_s() -> int:
+    """The join DAGs' default lease length in seconds: ``PHOTON_JOIN_LEASE_S`` (read when the DAG files are parsed;
+    default 300), e.g. shorter to watch several hand-overs in a few minutes. A run's own ``lease_s`` param wins."""
+    value = int(os.environ.get("PHOTON_JOIN_LEASE_S", "300"))
+    if not 10 <= value <= 3600:
+        raise ValueError(f"PHOTON_JOIN_LEASE_S={value}: a lease lasts 10 to 3600 seconds")
+    return value
+
+
 JOIN_APP = str(SPARK_DIR / "photon_join.py")
 # Runs that cover an hour (data_interval_start .. data_interval_end), not points in time.
 HOURLY = CronDataIntervalTimetable("0 * * * *", timezone="UTC")
@@ -63,7 +73,9 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
     pipeline after its last batch, or once that lease's heartbeat is stale). Each data center has two such DAGs,
     ``photon_join_<dc>`` and ``photon_join_<dc>_standby`` (a continuous DAG runs one run at a time): with both
     unpaused, one run holds the lease while the other's starts its Spark session and waits, so a lease hands over
-    without a gap. A failed run is retried with backoff and resumes from the committed position."""
+    without a gap; a lease whose term ends while that standby is still starting joins on (up to
+    ``hand_over_wait_s``) until it is ready. A failed run is retried with backoff and resumes from the committed
+    position."""
     with _dag(
         dag_id=dag_id_for(dc, standby),
         description=f"Photon joiner for {dc}: one lease of micro-batches per run"
@@ -73,9 +85,16 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
         tags=["photon", "joiner", dc],
         default_args=retries(),
         params={
-            "lease_s": Param(300, type="integer", minimum=10, maximum=3600, description="Seconds per lease."),
+            "lease_s": Param(lease_s(), type="integer", minimum=10, maximum=3600, description="Seconds per lease."),
             "trigger_interval_s": Param(1.0, type="number", minimum=0.1, maximum=60, description="Between batches."),
             "max_join_delay_s": Param(120.0, type="number", minimum=1, description="Give up on a query after this."),
+            "hand_over_wait_s": Param(
+                120,
+                type="integer",
+                minimum=0,
+                maximum=300,
+                description="At the lease's end, join on up to this long while the next lease is still starting.",
+            ),
         },
         doc_md=__doc__,
     ) as dag:
@@ -83,7 +102,10 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
             "joiner_lease",
             f"photon-join-{dc}",
             dc,
-            ["--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}", "--standby"],
+            [
+                *("--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"),
+                *("--hand-over-wait", "{{ params.hand_over_wait_s }}", "--standby"),
+            ],
             timedelta(hours=3),  # a standby waits up to one lease before its own
         )
     return dag
