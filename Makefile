@@ -13,7 +13,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -116,6 +116,11 @@ bench-discovery: setup
 # Lease hand-over gaps and click latency: standby leases, sequential leases, one process (about 10 minutes).
 bench-handover: setup
 	"$(PY)" -m bench.handover $(BENCH_ARGS)
+
+# The same through Airflow with a running scheduler: `photon airflow` in a temporary home, the two dc-a join DAGs with
+# 60 s leases (PHOTON_JOIN_LEASE_S) over 300 s of live logs, then one long process on the same logs (about 15 minutes).
+bench-handover-airflow: setup
+	"$(PY)" -m bench.handover_airflow $(BENCH_ARGS)
 
 # The nemesis: live logs, seeded random faults (joiner SIGKILLs, the registry stopped hard, verify beside the joiners,
 # a replica outage, a data center lost for good), then a checker that reads files only. Last line: JSON.
