@@ -67,6 +67,8 @@ from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
 log = logging.getLogger(__name__)
 US = 1_000_000
 
+HOLD_POLL_S = 0.25  # while a lease holds on for a starting standby, how often it asks whether it is ready
+
 REASON_TOO_LATE = "query not found within the maximum join delay"
 REASON_GC = "older than the registry's garbage-collection threshold"
 REASON_LOG_GONE = (
@@ -749,8 +751,22 @@ class Joiner:
                 break
             if deadline is not None and self._lease_over(t0, deadline, hand_over_wait_s):
                 break
-            time.sleep(max(0.0, self.s.trigger_interval_s - (time.monotonic() - t0)))
+            if self._pause(t0 + self.s.trigger_interval_s, deadline, hand_over_wait_s):
+                break
         return results
+
+    def _pause(self, next_at: float, deadline: float | None, wait_s: float) -> bool:
+        """Sleep until the next trigger. While the lease holds on for a standby, ask every ``HOLD_POLL_S`` instead,
+        and end it as soon as the standby is ready or the hold reaches its bound: a long trigger interval never
+        stretches the hold, and no trigger starts past the bound (a batch begun before it still runs to its end)."""
+        while (left := next_at - time.monotonic()) > 0:
+            if not self._holding or deadline is None:
+                time.sleep(left)
+                return False
+            time.sleep(min(HOLD_POLL_S, left))
+            if self._lease_over(next_at - self.s.trigger_interval_s, deadline, wait_s):
+                return True
+        return False
 
     def _lease_over(self, t0: float, deadline: float, wait_s: float) -> bool:
         """After a trigger (``t0``): whether the lease ends now. Not before its term ends by the next trigger; then
@@ -760,19 +776,22 @@ class Joiner:
         now = time.monotonic()
         if max(now, t0 + self.s.trigger_interval_s) < deadline:
             return False
-        self.held_s = max(0.0, now - deadline)
+        if self._holding:  # only a hold counts: a batch that ends past the term is not one
+            self.held_s = max(0.0, now - deadline)
         if wait_s <= 0 or now >= deadline + wait_s:
             return True
         try:
             successor = self.state.successor()
-        except Exception as exc:  # the registry is unreachable: keep joining, and ask again at the next trigger
-            log.warning("%s: cannot tell whether a standby is coming: %s", self.pipeline, exc)
-            return False
+        except Exception as exc:  # the registry is unreachable: hold on (within the bound), and ask again
+            if not self._holding:
+                log.warning("%s: cannot tell whether a standby is coming: %s", self.pipeline, exc)
+            successor = "starting"
         if successor != "starting":
             return True
         if not self._holding:
             log.info("%s: lease term over; joining on while a standby starts (up to %.0fs)", self.pipeline, wait_s)
             self._holding = True
+        self.held_s = max(0.0, now - deadline)
         return False
 
     def _new_files(self) -> tuple[list[str], list[str]]:

@@ -70,9 +70,16 @@ def redact(dsn: str) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
-def connect(dsn: str, *, application_name: str = "photon", connect_timeout: int = 5) -> Any:
+def connect(
+    dsn: str, *, application_name: str = "photon", connect_timeout: int = 5, statement_timeout_ms: int | None = None
+) -> Any:
+    """A connection to a registry server. ``statement_timeout_ms`` bounds each statement and each lock wait, for the
+    calls that must never hold up their caller (a standby's announcement, a lease asking for its successor)."""
+    extra = {}
+    if statement_timeout_ms is not None:
+        extra["options"] = f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}"
     try:
-        return psycopg2.connect(dsn, application_name=application_name, connect_timeout=connect_timeout)
+        return psycopg2.connect(dsn, application_name=application_name, connect_timeout=connect_timeout, **extra)
     except psycopg2.OperationalError as exc:
         raise RegistryUnavailableError(f"cannot reach registry server {redact(dsn)}: {str(exc).strip()}") from exc
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # clock) died or was stopped, and a lease does not wait for it.
 STANDBY_EVERY_S = 1.0
 STANDBY_FRESH_S = 10.0
+STANDBY_TIMEOUT_MS = 1000
 
 
 def holder_name() -> str:
@@ -68,6 +69,7 @@ class StandbyAnnouncement:
         self.phase = "starting"
         self.stopped = False
         self.wake = threading.Event()
+        self.announced = threading.Event()  # set once an announcement has reached the registry
 
     def ready(self) -> None:
         self.phase = "ready"
@@ -307,31 +309,43 @@ class PipelineState:
                 time.sleep(poll_s)
 
     # standbys ------------------------------------------------------------------------------------------------
+    # Every call here is bounded (STANDBY_TIMEOUT_MS per statement and lock wait, a short connect timeout): the
+    # announcements only ever shorten a gap, so a locked table or a slow registry must never hold up a standby's
+    # start or a lease's end.
+    @contextlib.contextmanager
+    def _standby_conn(self) -> Iterator[Any]:
+        conn = connect(
+            self.dsn,
+            application_name=f"photon-standby-{self.pipeline}",
+            connect_timeout=2,
+            statement_timeout_ms=STANDBY_TIMEOUT_MS,
+        )
+        conn.autocommit = True
+        try:
+            yield conn
+        finally:
+            conn.close()
+
     def announce_standby(self, phase: str, holder: str | None = None, conn: Any = None) -> None:
         """Say that a standby of this pipeline is ``starting`` or ``ready`` (waiting for its turn), as of now."""
         with contextlib.ExitStack() as stack:
-            if conn is None:
-                conn = stack.enter_context(autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}"))
+            conn = conn or stack.enter_context(self._standby_conn())
             with conn.cursor() as cur:
                 cur.execute(
-                    "INSERT INTO photon.standbys (pipeline, holder, phase) VALUES (%s, %s, %s)"
-                    " ON CONFLICT (pipeline, holder) DO UPDATE SET phase = excluded.phase, seen_at = now()",
-                    (self.pipeline, holder or holder_name(), phase),
+                    "SELECT photon.announce_standby(%s, %s, %s)", (self.pipeline, holder or holder_name(), phase)
                 )
 
-    def withdraw_standby(self, holder: str | None = None) -> None:
+    def withdraw_standby(self, holder: str | None = None, conn: Any = None) -> None:
         """This standby took over, or gave up: it is nobody's successor any more."""
-        with autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}") as conn, conn.cursor() as cur:
-            cur.execute(
-                "DELETE FROM photon.standbys WHERE pipeline = %s"
-                " AND (holder = %s OR seen_at < now() - interval '1 hour')",
-                (self.pipeline, holder or holder_name()),
-            )
+        with contextlib.ExitStack() as stack:
+            conn = conn or stack.enter_context(self._standby_conn())
+            with conn.cursor() as cur:
+                cur.execute("SELECT photon.withdraw_standby(%s, %s)", (self.pipeline, holder or holder_name()))
 
     def successor(self, fresh_s: float = STANDBY_FRESH_S) -> str | None:
         """The most advanced live standby's phase: ``ready`` if one waits for its turn, else ``starting`` if one is
         starting, else None. Live: announced within ``fresh_s`` seconds, by the server's clock."""
-        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+        with self._standby_conn() as conn, conn.cursor() as cur:
             cur.execute(
                 "SELECT phase FROM photon.standbys"
                 " WHERE pipeline = %s AND seen_at >= now() - make_interval(secs => %s)",
@@ -343,33 +357,31 @@ class PipelineState:
     @contextlib.contextmanager
     def standing_by(self, every_s: float = STANDBY_EVERY_S) -> Iterator[StandbyAnnouncement]:
         """A standby's whole wait, from its process start to its take-over: announced ``starting`` at once, then
-        every ``every_s`` seconds in the phase the block sets (``announcement.ready()``), and withdrawn at the end. A
-        registry that cannot be reached is retried at the next beat; the announcement only ever shortens a gap."""
+        every ``every_s`` seconds in the phase the block sets (``announcement.ready()``), and withdrawn at the end.
+        All of it runs in a thread: neither entering nor leaving the block waits for the registry (a registry that
+        cannot be reached is retried at the next beat; a withdrawal that fails leaves a row that goes stale)."""
         announcement = StandbyAnnouncement()
         holder = holder_name()
 
         def beat() -> None:
-            conn = None
-            while True:
-                announcement.wake.wait(every_s)
-                announcement.wake.clear()  # a phase set from here on is announced now, or at the next wake
-                if announcement.stopped:
-                    break
+            with contextlib.ExitStack() as stack:
+                conn = None
+                while not announcement.stopped:
+                    try:
+                        conn = conn or stack.enter_context(self._standby_conn())
+                        self.announce_standby(announcement.phase, holder, conn)
+                        announcement.announced.set()
+                    except Exception as exc:  # the next beat tries again, on a new connection
+                        log.warning("%s: standby announcement failed: %s", self.pipeline, exc)
+                        stack.close()
+                        conn = None
+                    announcement.wake.wait(every_s)
+                    announcement.wake.clear()  # a phase set from here on is announced at the next beat, at once
                 try:
-                    if conn is None or conn.closed:
-                        conn = connect(self.dsn, application_name=f"photon-standby-{self.pipeline}")
-                        conn.autocommit = True
-                    self.announce_standby(announcement.phase, holder, conn)
-                except Exception as exc:  # the registry is down: the next beat tries again, on a new connection
-                    log.warning("%s: standby announcement failed: %s", self.pipeline, exc)
-                    with contextlib.suppress(Exception):
-                        conn.close()  # type: ignore[union-attr]
-                    conn = None
-            if conn is not None:
-                conn.close()
+                    self.withdraw_standby(holder, conn)
+                except Exception as exc:  # its row goes stale within seconds anyway
+                    log.warning("%s: standby withdrawal failed: %s", self.pipeline, exc)
 
-        with contextlib.suppress(Exception):  # announced before the block runs (the thread retries a failure)
-            self.announce_standby(announcement.phase, holder)
         thread = threading.Thread(target=beat, name=f"photon-standby-{self.pipeline}", daemon=True)
         thread.start()
         try:
@@ -377,11 +389,7 @@ class PipelineState:
         finally:
             announcement.stopped = True
             announcement.wake.set()
-            thread.join(timeout=10)
-            try:
-                self.withdraw_standby(holder)
-            except Exception as exc:  # its row goes stale within seconds anyway
-                log.warning("%s: standby withdrawal failed: %s", self.pipeline, exc)
+            thread.join(timeout=1.0)  # the withdrawal, usually in milliseconds; never long after a take-over
 
     def heartbeat(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:

@@ -35,6 +35,7 @@ def standby(state: PipelineState) -> Iterator[StandbyAnnouncement]:
 
     def run() -> None:
         with state.standing_by(every_s=0.2) as announcement:
+            assert announcement.announced.wait(10)  # made from a thread, never holding up the standby
             box.append(announcement)
             entered.set()
             leave.wait()
@@ -68,7 +69,7 @@ def test_a_lease_joins_on_past_its_term_while_its_standby_starts_and_ends_once_i
         j.run(run_for_s=1.0, hand_over_wait_s=60)
         took = time.monotonic() - t0
         assert state.successor() == "ready"
-    assert 2.8 <= took < 5.0, took  # was: 1 s, the standby still starting
+    assert 2.8 <= took < 8.0, took  # was: 1 s, the standby still starting (the bound only says: not the 60 s)
     assert 1.5 <= j.held_s < 4.0, j.held_s
     assert state.successor() is None  # withdrawn at its take-over (here: the block's end)
 
@@ -83,7 +84,7 @@ def test_the_wait_is_bounded_and_only_for_a_standby_that_is_coming(tmp_path: Pat
     with standby(state):  # starting, and never ready
         t0 = time.monotonic()
         j.run(run_for_s=1.0, hand_over_wait_s=1.5)
-        assert 2.3 <= time.monotonic() - t0 < 4.0
+        assert 2.3 <= time.monotonic() - t0 < 6.0
         t0 = time.monotonic()
         j.run(run_for_s=1.0)  # no wait asked for (a backfill, a test): on time
         assert time.monotonic() - t0 < 2.0
@@ -103,7 +104,7 @@ def test_a_lease_ends_right_after_a_batch_when_its_term_ends_before_the_next_tri
     j.start()
     t0 = time.monotonic()
     j.run(run_for_s=2.0, hand_over_wait_s=60)
-    assert time.monotonic() - t0 < 1.0  # was: 3 s
+    assert time.monotonic() - t0 < 2.5  # was: more than 3 s (one empty batch, then a whole trigger interval)
 
 
 def test_the_standby_warm_up_runs_a_batch_job_and_writes_nothing_the_pipeline_reads(
