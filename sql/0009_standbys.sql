@@ -10,24 +10,5 @@ CREATE TABLE photon.standbys (
     PRIMARY KEY (pipeline, holder)
 );
 
--- Written only through these two functions: the time is the server's (a row cannot be dated ahead to outlive its
--- process), and the joiner holds no table privilege that could lock the table (UPDATE or DELETE would let any
--- joiner session take an ACCESS EXCLUSIVE lock and stall every pipeline's hand-over).
-CREATE FUNCTION photon.announce_standby(p_pipeline text, p_holder text, p_phase text) RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, photon AS $$
-    INSERT INTO photon.standbys (pipeline, holder, phase, seen_at) VALUES (p_pipeline, p_holder, p_phase, now())
-    ON CONFLICT (pipeline, holder) DO UPDATE SET phase = excluded.phase, seen_at = now();
-$$;
-
--- A standby that took over or gave up; rows of standbys gone for an hour go too.
-CREATE FUNCTION photon.withdraw_standby(p_pipeline text, p_holder text) RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, photon AS $$
-    DELETE FROM photon.standbys
-     WHERE pipeline = p_pipeline AND (holder = p_holder OR seen_at < now() - interval '1 hour');
-$$;
-
-REVOKE ALL ON FUNCTION photon.announce_standby(text, text, text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION photon.withdraw_standby(text, text) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION photon.announce_standby(text, text, text) TO photon_joiner;
-GRANT EXECUTE ON FUNCTION photon.withdraw_standby(text, text) TO photon_joiner;
-GRANT SELECT ON photon.standbys TO photon_joiner;
+GRANT SELECT, INSERT, UPDATE (phase, seen_at), DELETE ON photon.standbys TO photon_joiner;
+GRANT SELECT ON photon.standbys TO photon_verifier, photon_gc;

@@ -29,8 +29,10 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 US = 1_000_000
 
 HOLD_POLL_S = 0.25  # while a lease holds on for a starting standby, how often it asks whether it is ready
+SUCCESSOR_WAIT_S = 1.5  # ...and how long it waits for an answer (the registry answers in milliseconds)
 
 REASON_TOO_LATE = "query not found within the maximum join delay"
 REASON_GC = "older than the registry's garbage-collection threshold"
@@ -755,6 +758,26 @@ class Joiner:
                 break
         return results
 
+    _asking: Future[str | None] | None = None
+
+    def _successor(self, timeout_s: float) -> str | None:
+        """``PipelineState.successor()``, waited for at most ``timeout_s`` (TimeoutError). The server's statement
+        timeout bounds only what the server runs: a query it never gets or never answers (a connection dropped by
+        the network, a stuck pooler, a frozen server, a hanging DNS lookup or connect) must not hold the lease past
+        its bound. A question still unanswered is waited for again, never asked twice at once."""
+        if self._asking is None or self._asking.done():
+            asking: Future[str | None] = Future()
+
+            def ask() -> None:
+                try:
+                    asking.set_result(self.state.successor())
+                except BaseException as exc:
+                    asking.set_exception(exc)
+
+            threading.Thread(target=ask, name=f"photon-successor-{self.pipeline}", daemon=True).start()
+            self._asking = asking
+        return self._asking.result(timeout=max(0.0, timeout_s))
+
     def _pause(self, next_at: float, deadline: float | None, wait_s: float) -> bool:
         """Sleep until the next trigger. While the lease holds on for a standby, ask every ``HOLD_POLL_S`` instead,
         and end it as soon as the standby is ready or the hold reaches its bound: a long trigger interval never
@@ -781,8 +804,8 @@ class Joiner:
         if wait_s <= 0 or now >= deadline + wait_s:
             return True
         try:
-            successor = self.state.successor()
-        except Exception as exc:  # the registry is unreachable: hold on (within the bound), and ask again
+            successor = self._successor(min(SUCCESSOR_WAIT_S, deadline + wait_s - now))
+        except Exception as exc:  # unreachable, or no answer in time: hold on (within the bound), and ask again
             if not self._holding:
                 log.warning("%s: cannot tell whether a standby is coming: %s", self.pipeline, exc)
             successor = "starting"

@@ -76,8 +76,10 @@ def connect(
     """A connection to a registry server. ``statement_timeout_ms`` bounds each statement and each lock wait, for the
     calls that must never hold up their caller (a standby's announcement, a lease asking for its successor)."""
     extra = {}
-    if statement_timeout_ms is not None:
-        extra["options"] = f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}"
+    if statement_timeout_ms is not None:  # added to the DSN's own options, which a keyword would replace
+        own = psycopg2.extensions.parse_dsn(dsn).get("options", "")
+        timeouts = f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}"
+        extra["options"] = f"{own} {timeouts}".strip()
     try:
         return psycopg2.connect(dsn, application_name=application_name, connect_timeout=connect_timeout, **extra)
     except psycopg2.OperationalError as exc:
