@@ -47,7 +47,9 @@ class Proxy:
 
     def __init__(self, dsn: str):
         params = psycopg2.extensions.parse_dsn(dsn)
-        self.upstream = (params.get("host", "127.0.0.1"), int(params.get("port", 5432)))
+        host, port = params.get("host", "127.0.0.1"), int(params.get("port", 5432))
+        # The embedded server listens on a Unix socket only (no DSN: CI); one on the machine, on TCP.
+        self.upstream = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         port = self.listener.getsockname()[1]
@@ -68,6 +70,13 @@ class Proxy:
             self.socks.append(client)
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
+    def _connect_upstream(self) -> socket.socket:
+        if isinstance(self.upstream, str):
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.connect(self.upstream)
+            return server
+        return socket.create_connection(self.upstream)
+
     @staticmethod
     def _read(sock: socket.socket, n: int) -> bytes:
         buf = b""
@@ -84,7 +93,7 @@ class Proxy:
             startup = head + self._read(client, struct.unpack("!I", head)[0] - 4)
             if self.blackhole.is_set() and b"photon-standby" in startup:
                 return  # accepted, never answered (the socket stays open in self.socks)
-            server = socket.create_connection(self.upstream)
+            server = self._connect_upstream()
             self.socks.append(server)
             server.sendall(startup)
             threading.Thread(target=self._copy, args=(server, client), daemon=True).start()
