@@ -312,19 +312,13 @@ class PipelineState:
     # Every call here is bounded (STANDBY_TIMEOUT_MS per statement and lock wait, a short connect timeout): the
     # announcements only ever shorten a gap, so a locked table or a slow registry must never hold up a standby's
     # start or a lease's end.
-    @contextlib.contextmanager
-    def _standby_conn(self) -> Iterator[Any]:
-        conn = connect(
+    def _standby_conn(self) -> contextlib.AbstractContextManager[Any]:
+        return autocommit(
             self.dsn,
             application_name=f"photon-standby-{self.pipeline}",
             connect_timeout=2,
             statement_timeout_ms=STANDBY_TIMEOUT_MS,
         )
-        conn.autocommit = True
-        try:
-            yield conn
-        finally:
-            conn.close()
 
     def announce_standby(self, phase: str, holder: str | None = None, conn: Any = None) -> None:
         """Say that a standby of this pipeline is ``starting`` or ``ready`` (waiting for its turn), as of now."""

@@ -66,17 +66,21 @@ def spread_worker(
     out.put((name, counts))
 
 
+def server_address(dsn: str) -> tuple[int, Any]:
+    """(socket family, address) of a DSN's server, for a proxy in front of it: the embedded server (no DSN, as in
+    CI) listens on a Unix socket only, a server on the machine on TCP."""
+    params = psycopg2.extensions.parse_dsn(dsn)
+    host, port = params.get("host", "127.0.0.1"), int(params.get("port", 5432))
+    return (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/") else (socket.AF_INET, (host, port))
+
+
 class CommitCuttingProxy:
     """A TCP proxy to a real PostgreSQL that, once armed, lets the next COMMIT reach the server, waits for the
     server to answer, and then drops the client's connection without passing the answer on: the commit happened,
     but the client cannot know."""
 
     def __init__(self, dsn: str):
-        params = psycopg2.extensions.parse_dsn(dsn)
-        host, port = params.get("host", "127.0.0.1"), int(params.get("port", 5432))
-        self._target: tuple[int, Any] = (
-            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/") else (socket.AF_INET, (host, port))
-        )
+        self._target = server_address(dsn)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(16)

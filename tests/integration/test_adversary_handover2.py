@@ -33,6 +33,7 @@ from photon.migrations import MigrationError, apply_migrations, discover
 from photon.pg import autocommit
 from photon.pipeline_state import PipelineState
 from photon.registry_admin import init_registry
+from tests.integration.helpers import server_address
 from tests.integration.test_adversary_handover import joiner
 from tests.integration.test_handover_wait import standby
 
@@ -46,10 +47,7 @@ class Proxy:
     ``blackhole``: a connection whose startup names application photon-standby-* is accepted and never answered."""
 
     def __init__(self, dsn: str):
-        params = psycopg2.extensions.parse_dsn(dsn)
-        host, port = params.get("host", "127.0.0.1"), int(params.get("port", 5432))
-        # The embedded server listens on a Unix socket only (no DSN: CI); one on the machine, on TCP.
-        self.upstream = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
+        self.upstream = server_address(dsn)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         port = self.listener.getsockname()[1]
@@ -71,11 +69,9 @@ class Proxy:
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
     def _connect_upstream(self) -> socket.socket:
-        if isinstance(self.upstream, str):
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            server.connect(self.upstream)
-            return server
-        return socket.create_connection(self.upstream)
+        server = socket.socket(self.upstream[0], socket.SOCK_STREAM)
+        server.connect(self.upstream[1])
+        return server
 
     @staticmethod
     def _read(sock: socket.socket, n: int) -> bytes:
