@@ -64,8 +64,12 @@ lint: setup
 	"$(VENV)/bin/ruff" format --check plugins tests bench dags spark
 	"$(VENV)/bin/mypy"
 
+# One pytest worker per core (pytest-xdist): each starts its own embedded PostgreSQL (without PHOTON_REGISTRY_DSN),
+# Spark session and Airflow home, and a worker that finishes early steals tests from the other. TEST_WORKERS=0 runs
+# the suite in one process.
+TEST_WORKERS ?= auto
 test: setup lint
-	"$(PY)" -m pytest $(PYTEST_ARGS)
+	"$(PY)" -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The parser's property tests (tests/unit/test_parse_properties.py) far past the suite's 10,000 examples each:
 # random (not derandomized), FUZZ_EXAMPLES per property. A failure prints the smallest example found and the

@@ -108,3 +108,26 @@ def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
             # Sessions still open as the role (a Spark worker's cached registry client) hold temp tables it owns.
             cur.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s", (name,))
             cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+# The slowest test files as measured last (pytest prints the 15 slowest tests), longest first. `make test` runs the
+# suite on every core (pytest-xdist, work stealing): a long test started last would run alone at the end, so the
+# collection starts with these and the many short tests fill the gaps.
+SLOW_FIRST = (
+    "tests/integration/test_nemesis.py",
+    "tests/integration/test_airflow_local.py",
+    "tests/integration/test_handover.py",
+    "tests/unit/test_parse_properties.py",
+    "tests/integration/test_reshard.py",
+    "tests/integration/test_durability.py",
+    "tests/integration/test_verify.py",
+    "tests/integration/test_airflow.py",
+    "tests/integration/test_hostile_input.py",
+    "tests/integration/test_verify_safety.py",
+    "tests/integration/test_joiner.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(SLOW_FIRST)))  # stable: order kept
