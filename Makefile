@@ -25,8 +25,9 @@ setup: $(VENV)/.ready
 	@cmp -s plugins/photon/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json" \
 	  || $(MAKE) --no-print-directory data-docs-assets
 	@test -x /usr/bin/chromium || $(MAKE) --no-print-directory chromium
+	@test -x /usr/bin/faketime || $(MAKE) --no-print-directory faketime
 
-.PHONY: data-docs-assets chromium
+.PHONY: data-docs-assets chromium faketime
 # The CSS/JS that GX's Data Docs pages name, from the very npm packages (and versions) their CDN links serve, pinned
 # with integrity hashes by plugins/photon/data_docs/package-lock.json; photon.quality copies the few files a page
 # loads into the site, so it renders offline. Reinstalled whenever the lock changes.
@@ -46,6 +47,13 @@ chromium:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
 	else echo "make setup: /usr/bin/chromium is missing; the Data Docs test needs it:" \
 	  "sudo apt-get install -y --no-install-recommends chromium"; fi
+
+# Debian's faketime: the clock tests run real `photon join` processes on a host clock that is off.
+faketime:
+	@if [ -x /usr/bin/faketime ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "== installing faketime (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends faketime; \
+	else echo "make setup: /usr/bin/faketime is missing; the clock tests need it: sudo apt-get install -y faketime"; fi
 
 # The path already holds the requirements' hash, so a fresh clone (newer file times) must not rebuild it: the
 # requirements file is an order-only prerequisite.
