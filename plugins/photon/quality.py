@@ -53,12 +53,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
-from photon.audit import data_center_of, read_output
+from photon.audit import data_center_of, pipelines_in, read_output
 from photon.joiner import RECOVERED_PREFIX, first_event_us
+from photon.layout import MINUTE_US, SEAL_S, partition_of
+from photon.parse import parse_file
 from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,20 @@ class QualitySettings:
     latency_mostly: float = 0.99  # share of live pipelines' clicks that must meet the SLO
     max_unjoinable_rate: float = 0.05  # unjoinable clicks per decided click
     max_quarantine_rate: float = 0.05  # quarantined lines (queries' and clicks') of the interval per decided click
+    # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (layout.SEAL_S) and the
+    # clicks of its last files have had the joiners' maximum join delay plus this margin (batch time, retry backoff,
+    # publication) to be decided.
+    max_join_delay_s: float = 120.0  # the joiners' JoinSettings.max_join_delay_s
+    settle_margin_s: float = 120.0
+
+    def settled_at_us(self, end_us: int) -> int:
+        """When the interval ending at ``end_us`` has settled: no click file can land in it any more, and every click
+        of its files that a live pipeline consumed has had its deadline."""
+        return end_us + int((SEAL_S + self.max_join_delay_s + self.settle_margin_s) * US)
+
+
+class NotSettled(RuntimeError):
+    """The interval is not settled yet: its completeness cannot be judged (neither pass nor fail). Ask again later."""
 
 
 @dataclass
@@ -88,6 +106,15 @@ class QualityResult:
     quarantined: int  # distinct lines of the interval's input files
     backfilled: int = 0  # joined rows of backfill pipelines: no latency judged
     quarantine_unattributed: int = 0  # quarantine records whose log file is gone: not counted
+    input_clicks: int = 0  # distinct well-formed clicks in the interval's click files (all replicas)
+    input_files: int = 0  # click files of the interval, every replica's copy counted
+    no_outcome: int = 0  # input clicks neither joined nor unjoinable anywhere
+    joined_more_than_once: int = 0  # input clicks in joined/ more than once across all pipelines
+    samples: dict[str, list[str]] = field(default_factory=dict)  # a few click ids of each failure
+    output_files_read: int = 0  # joined/ and unjoinable/ files the completeness check opened
+    output_files: int = 0  # of how many listed
+    input_seconds: float = 0.0  # listing and parsing the interval's click files
+    output_seconds: float = 0.0  # bringing the output index up to date and reading the outcomes
     failed: list[str] = field(default_factory=list)  # "batch: expectation(column)" of every failed expectation
     details: list[str] = field(default_factory=list)  # the same, with what was observed
     statistics: dict[str, Any] = field(default_factory=dict)
@@ -143,6 +170,222 @@ def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int
     return lines.group_by(["kind", "file", "line"]).aggregate([]).num_rows, unattributed
 
 
+# -- Completeness: every click of the interval's input has exactly one outcome ------------------------------------
+
+INDEX_DIR = "index"  # <out>/_quality/index/<pipeline>.<kind>.parquet: click-time range per output file
+_INDEX_SCHEMA = pa.schema(
+    [
+        ("file", pa.string()),  # path under <out>/<pipeline>/<kind>/
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("rows", pa.int64()),
+        ("min_ts", pa.int64()),  # click_ts_us; INT64 min/max when the footer cannot bound it (nulls, no statistics)
+        ("max_ts", pa.int64()),
+    ]
+)
+_TS_LO, _TS_HI = -(2**63), 2**63 - 1
+SAMPLE_IDS = 5
+
+
+def interval_click_files(logs: Path, start_us: int, end_us: int) -> list[Path]:
+    """The click files of ``[start_us, end_us)``, of every data center's replica: the closed files of the arrival
+    partitions that start in the interval (EVENTS.md), and the flat files directly in ``clicks/`` (the layout before
+    partitions) whose first event is stamped in it, as ``photon_backfill`` picks them. A file lies in exactly one
+    partition, so every click file of a replica belongs to exactly one interval; once the partitions are sealed no file
+    can join the interval, so the set is final. The verifier's ``recovered-*`` files are copies and never count.
+    Lists the interval's minute folders only (60 ``listdir`` per replica for an hour), never the history."""
+    files: list[Path] = []
+    try:
+        dcs = sorted(e.name for e in os.scandir(logs) if e.is_dir() and not e.name.startswith(("_", ".")))
+    except FileNotFoundError:
+        return files
+
+    def closed(name: str) -> bool:
+        return name.endswith(".jsonl") and not name.startswith((".", RECOVERED_PREFIX))
+
+    first_minute = -(-start_us // MINUTE_US) * MINUTE_US  # the first partition starting at or after start
+    for dc in dcs:
+        folder = logs / dc / "clicks"
+        try:
+            flat = [e for e in os.scandir(folder) if e.is_file() and closed(e.name)]
+        except FileNotFoundError:
+            continue
+        files += [
+            Path(e.path)
+            for e in sorted(flat, key=lambda e: e.name)
+            if start_us <= first_event_us(Path(e.path)) < end_us
+        ]
+        for minute in range(first_minute, end_us, MINUTE_US):
+            part = folder / partition_of(minute)
+            try:
+                names = sorted(n for n in os.listdir(part) if closed(n))
+            except FileNotFoundError:
+                continue
+            files += [part / n for n in names]
+    return files
+
+
+def interval_clicks(files: list[Path]) -> pa.Table:
+    """Distinct well-formed clicks (``click_id``, ``ts_us``) of the files, by the joiner's own parser: a line it
+    quarantines is no click here either (quarantine is checked by its own rate)."""
+    tables = [parse_file(f.name, f.read_bytes(), "clicks")[0].select(["click_id", "ts_us"]) for f in files]
+    if not tables:
+        return pa.table({"click_id": pa.array([], pa.string()), "ts_us": pa.array([], pa.int64())})
+    t = pa.concat_tables(tables)
+    # The same event may be in two files (a re-send) and is in every replica: one click, one outcome.
+    return t.group_by("click_id", use_threads=False).aggregate([("ts_us", "min")]).rename_columns(["click_id", "ts_us"])
+
+
+def _footer_range(path: Path) -> tuple[int, int, int]:
+    """(rows, min, max click_ts_us) from a Parquet footer; the whole range where it cannot bound the column."""
+    meta = pq.ParquetFile(path).metadata
+    rows = meta.num_rows
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if "click_ts_us" not in names:
+        return rows, _TS_LO, _TS_HI
+    col = names.index("click_ts_us")
+    lo, hi = _TS_HI, _TS_LO
+    for g in range(meta.num_row_groups):
+        cm = meta.row_group(g)
+        if cm.num_rows == 0:
+            continue
+        st = cm.column(col).statistics
+        # A null click time (a broken row) may still carry one of our ids: such a file is always read.
+        if st is None or not st.has_min_max or st.null_count is None or st.null_count > 0:
+            return rows, _TS_LO, _TS_HI
+        lo, hi = min(lo, int(st.min)), max(hi, int(st.max))
+    return rows, lo, hi
+
+
+def _listed(folder: Path, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(path under ``folder``, size, mtime_ns) of every complete Parquet file, recursively; ``_*``/``.*`` are in
+    progress (as the dataset reader skips them)."""
+    found: list[tuple[str, int, int]] = []
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return found
+    for e in entries:
+        if e.name.startswith(("_", ".")):
+            continue
+        if e.is_dir():
+            found += _listed(Path(e.path), f"{prefix}{e.name}/")
+        elif e.name.endswith(".parquet"):
+            st = e.stat()
+            found.append((prefix + e.name, st.st_size, st.st_mtime_ns))
+    return found
+
+
+def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
+    """The click-time range of every output file of one pipeline and kind, from ``<out>/_quality/index``, brought up
+    to date: files gone are dropped, new (or changed: size or mtime) files have their footer read once. A published
+    output file never changes, so a run reads the footers of what was published since the last run, not of the
+    history; listing the folder is the only cost that grows with it (measured in the README)."""
+    path = out / QUALITY_DIR / INDEX_DIR / f"{pipeline}.{kind}.parquet"
+    old: dict[str, tuple[int, int, int, int, int]] = {}
+    if path.exists():
+        for r in pq.read_table(path).to_pylist():
+            old[r["file"]] = (r["size"], r["mtime_ns"], r["rows"], r["min_ts"], r["max_ts"])
+    rows: dict[str, list[Any]] = {f.name: [] for f in _INDEX_SCHEMA}
+    changed = False
+    listed = _listed(out / pipeline / kind)
+    for rel, size, mtime in listed:
+        known = old.get(rel)
+        if known is not None and known[:2] == (size, mtime):
+            n, lo, hi = known[2:]
+        else:
+            try:
+                n, lo, hi = _footer_range(out / pipeline / kind / rel)
+            except FileNotFoundError:
+                continue
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise QualityInputError(f"output file {out / pipeline / kind / rel} is unreadable: {exc}") from exc
+            changed = True
+        for k, v in zip(_INDEX_SCHEMA.names, (rel, size, mtime, n, lo, hi), strict=True):
+            rows[k].append(v)
+    table = pa.table(rows, schema=_INDEX_SCHEMA)
+    if changed or len(listed) != len(old):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)  # two concurrent runs each write a complete index; either is right
+    return table
+
+
+class QualityInputError(RuntimeError):
+    """An output file the check must read is unreadable: the check cannot judge the interval."""
+
+
+@dataclass
+class Outcomes:
+    clicks: pa.Table  # click_id, ts_us, joined (rows in joined/), unjoinable (rows in unjoinable/)
+    files_read: int
+    files: int
+
+
+def outcomes(out: Path, clicks: pa.Table) -> Outcomes:
+    """For each input click, how many rows every pipeline's ``joined/`` and ``unjoinable/`` hold for it. Only the
+    output files whose click-time range (``output_index``) holds some input click's time are read, and of those only
+    the ``click_id`` column."""
+    ids = clicks["click_id"].combine_chunks() if clicks.num_rows else pa.array([], pa.string())
+    ts = np.unique(clicks["ts_us"].to_numpy()) if clicks.num_rows else np.zeros(0, np.int64)
+    counts = {}
+    read = listed = 0
+    for kind in (JOINED, UNJOINABLE):
+        found: list[pa.Array] = []
+        for pipeline in pipelines_in(out):
+            index = output_index(out, pipeline, kind)
+            listed += index.num_rows
+            lo = np.searchsorted(ts, index["min_ts"].to_numpy(), side="left")
+            hi = np.searchsorted(ts, index["max_ts"].to_numpy(), side="right")
+            wanted = (hi > lo) & (index["rows"].to_numpy() > 0)
+            paths = [str(out / pipeline / kind / rel) for rel in index["file"].filter(pa.array(wanted)).to_pylist()]
+            try:  # one multi-threaded scan: 2.5x faster than a read per file for thousands of small batch files
+                found += ds.dataset(paths, format="parquet").to_table(columns=["click_id"])["click_id"].chunks
+                read += len(paths)
+                continue
+            except (FileNotFoundError, pa.ArrowInvalid, OSError):
+                pass  # a file removed since the listing, or a broken one: find which, file by file
+            for path in paths:
+                try:
+                    col = pq.read_table(path, columns=["click_id"])["click_id"]
+                except FileNotFoundError:
+                    continue  # removed since the listing: as if never there
+                except (pa.ArrowInvalid, OSError) as exc:
+                    raise QualityInputError(f"output file {path} is unreadable: {exc}") from exc
+                read += 1
+                found.append(col.combine_chunks())
+        every = pa.concat_arrays(found) if found else pa.array([], pa.string())
+        every = every.filter(pc.is_in(every, value_set=ids))  # one hash set of the input ids, not one per file
+        if len(every):
+            vc = pc.value_counts(every)
+            n = pc.index_in(ids, value_set=vc.field("values"))
+            counts[kind] = pc.fill_null(pc.take(vc.field("counts"), n), 0).cast(pa.int64())
+        else:
+            counts[kind] = pa.array(np.zeros(len(ids), np.int64))
+    table = pa.table({"click_id": ids, "ts_us": clicks["ts_us"] if clicks.num_rows else pa.array([], pa.int64())})
+    table = table.append_column("joined", counts[JOINED]).append_column("unjoinable", counts[UNJOINABLE])
+    return Outcomes(table, read, listed)
+
+
+def completeness_frame(o: Outcomes) -> Any:
+    """One row per input click: ``no_outcome`` holds its id when no pipeline joined it or gave it up, and
+    ``joined_more_than_once`` when it is in ``joined/`` more than once; both null otherwise. GX's unexpected values
+    of a null expectation are then the failing click ids themselves (in the result, the log line and Data Docs)."""
+    t = o.clicks
+    ids = t["click_id"]
+    none = pc.and_(pc.equal(t["joined"], 0), pc.equal(t["unjoinable"], 0))
+    twice = pc.greater(t["joined"], 1)
+    null = pa.nulls(t.num_rows, pa.string())
+    return pa.table(
+        {
+            "click_id": ids,
+            "no_outcome": pc.if_else(none, ids, null),
+            "joined_more_than_once": pc.if_else(twice, ids, null),
+        }
+    ).to_pandas()
+
+
 def _quiet_gx() -> None:
     """GX logs INFO at import (its docs decorators) and per metric; keep its warnings only. Analytics off: a
     data-quality task makes no network call."""
@@ -191,19 +434,44 @@ def _suites(gx: Any, s: QualitySettings) -> dict[str, Any]:
     rates.add_expectation(
         e.ExpectColumnValuesToBeBetween(column="quarantine_rate", min_value=0, max_value=s.max_quarantine_rate)
     )
-    return {"joined": joined, "rates": rates}
+    completeness = gx.ExpectationSuite(name="photon_completeness")
+    completeness.add_expectation(e.ExpectColumnValuesToBeNull(column="no_outcome"))
+    completeness.add_expectation(e.ExpectColumnValuesToBeNull(column="joined_more_than_once"))
+    return {"joined": joined, "rates": rates, "completeness": completeness}
 
 
 def check_quality(
-    out: Path, logs: Path, start_us: int, end_us: int, settings: QualitySettings | None = None
+    out: Path,
+    logs: Path,
+    start_us: int,
+    end_us: int,
+    settings: QualitySettings | None = None,
+    now_us: int | None = None,
 ) -> QualityResult:
     """Run the checkpoint for the interval ``[start_us, end_us)`` and update the Data Docs site. ``logs`` is the logs
-    root the pipelines read (``<logs>/<dc>/{queries,clicks}``): quarantined lines are attributed by their file."""
+    root the pipelines read (``<logs>/<dc>/{queries,clicks}``): quarantined lines are attributed by their file, and
+    the interval's click files are the input whose every click must have one outcome. Raises ``NotSettled`` before
+    ``settings.settled_at_us(end_us)`` (by ``now_us``, default this host's clock): an unsettled interval neither
+    passes nor fails."""
+    s = settings or QualitySettings()
+    now = now_us if now_us is not None else int(time.time() * US)
+    if now < s.settled_at_us(end_us):
+        raise NotSettled(
+            f"interval [{_iso(start_us)}, {_iso(end_us)}) settles at {_iso(s.settled_at_us(end_us))}: its partitions"
+            f" seal {SEAL_S:.0f} s after it ends, its last clicks have {s.max_join_delay_s:.0f} s to join and"
+            f" {s.settle_margin_s:.0f} s margin"
+        )
     _quiet_gx()
     import great_expectations as gx
     import pandas as pd
 
-    s = settings or QualitySettings()
+    t_input = time.monotonic()
+    click_files = interval_click_files(logs, start_us, end_us)
+    clicks = interval_clicks(click_files)
+    t_output = time.monotonic()
+    found = outcomes(out, clicks)
+    t_done = time.monotonic()
+    complete = completeness_frame(found)
     joined, unjoinable = _joined(out, start_us, end_us)
     quarantined, unattributed = _quarantined(out, logs, start_us, end_us, int(s.max_clock_skew_s * US))
     frame = joined.to_pandas()
@@ -230,7 +498,7 @@ def check_quality(
     statistics: dict[str, Any] = {}
     success = True
     site = root / "data_docs"
-    for definition, frame_ in zip(definitions, (frame, rates), strict=True):
+    for definition, frame_ in zip(definitions, (frame, rates, complete), strict=True):
         checkpoint = context.checkpoints.add_or_update(
             gx.Checkpoint(
                 name=f"photon_{definition.name}",
@@ -250,7 +518,12 @@ def check_quality(
                     details.append(f"{failed[-1]}: {_observed(r.result)}")
     localize_data_docs(site)
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
-    counts = f"{joined.num_rows} joined, {unjoinable} unjoinable, {quarantined} quarantined lines"
+    no_outcome = complete["no_outcome"].dropna().tolist()
+    twice = complete["joined_more_than_once"].dropna().tolist()
+    counts = (
+        f"{joined.num_rows} joined, {unjoinable} unjoinable, {quarantined} quarantined lines;"
+        f" {clicks.num_rows} input clicks, {len(no_outcome)} without outcome, {len(twice)} joined more than once"
+    )
     log.info("data quality %s: %s (%s)", window, "PASS" if success else f"FAIL, {len(failed)} expectation(s)", counts)
     for line in details:
         log.warning("data quality %s: %s", window, line)
@@ -263,6 +536,15 @@ def check_quality(
         quarantined=quarantined,
         backfilled=int((~live).sum()),
         quarantine_unattributed=unattributed,
+        input_clicks=clicks.num_rows,
+        input_files=len(click_files),
+        no_outcome=len(no_outcome),
+        joined_more_than_once=len(twice),
+        samples={"no_outcome": sorted(no_outcome)[:SAMPLE_IDS], "joined_more_than_once": sorted(twice)[:SAMPLE_IDS]},
+        output_files_read=found.files_read,
+        output_files=found.files,
+        input_seconds=round(t_output - t_input, 3),
+        output_seconds=round(t_done - t_output, 3),
         failed=failed,
         details=details,
         statistics=statistics,

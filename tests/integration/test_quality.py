@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.generator import GeneratorSettings, generate
-from photon.quality import QualitySettings, check_quality
+from photon.layout import partition_of
+from photon.quality import NotSettled, QualitySettings, check_quality
 from photon.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
@@ -46,12 +47,31 @@ class World:
         self.unjoinable: list[dict[str, Any]] = []
         for i in range(10):
             self.give_up(START + i * 300 * US + 7)
-        # Log files by their first event's time: one per 10 minutes of this hour, one in the hour before and after.
-        self.files = {f"10.9.8.7-88-{k}.jsonl": START + k * 600 * US + 5 for k in range(-1, 7)}
+        # The click logs, in each replica's arrival partitions: every click above (the interval's input), in a file
+        # per 10 minutes that arrives 1 s (dc-a) or 30 s (dc-b) after its last click, so dc-b's last file lands in
+        # the next hour. Cases add files (``log_clicks``).
+        self.logged: list[tuple[str, str, list[int]]] = []  # (dc, path under clicks/, click timestamps)
+        clicks = sorted({r["click_ts_us"] for r in self.joined + self.unjoinable})
+        for block in range(6):
+            mine = [ts for ts in clicks if (ts - START) // (600 * US) == block]
+            for dc, delay in (("dc-a", 1 * US), ("dc-b", 30 * US)):
+                self.log_clicks(dc, mine, arrival=mine[-1] + delay, name=f"10.9.8.7-88-b{block}.jsonl")
+        # Flat log files (the layout before partitions) by their first event's time, for quarantine records to name:
+        # one per 10 minutes of this hour (whose valid line is a joined click), one in the hour before and after.
+        self.files = {
+            f"10.9.8.7-88-{k}.jsonl": self.joined[k * 167]["click_ts_us"] if 0 <= k < 6 else START + k * 600 * US + 5
+            for k in range(-1, 7)
+        }
         self.files["recovered-1763700000000000.jsonl"] = START + 60 * US
         self.quarantine: list[dict[str, Any]] = []
         self.quarantine_lines("10.9.8.7-88-1.jsonl", 5, ("dc-a", "dc-b"), decided_at=START + 11 * 60 * US)
         self.dc = {"dc-a": "dc-a", "dc-b": "dc-b", BACKFILL: "dc-a"}
+
+    def log_clicks(self, dc: str, stamps: list[int], arrival: int, name: str) -> str:
+        """A click file of well-formed clicks (and one malformed line) in ``dc``'s partition of ``arrival``."""
+        rel = f"{partition_of(arrival)}/{name}"
+        self.logged.append((dc, rel, stamps))
+        return rel
 
     @staticmethod
     def row(ts: int, pipeline: str, latency_s: float = 2.0) -> dict[str, Any]:
@@ -103,6 +123,9 @@ class World:
 
     def write(self, root: Path) -> tuple[Path, Path]:
         out, logs = root / "out", root / "logs"
+        for p in ("dc-a", "dc-b"):  # the live pipelines' folders exist, output or not
+            (out / p).mkdir(parents=True, exist_ok=True)
+            (out / p / "_pipeline.json").write_text(json.dumps({"pipeline": p, "dc": p}))
         for kind, rows, schema in (
             ("joined", self.joined, JOINED_SCHEMA),
             ("unjoinable", self.unjoinable, UNJOINABLE_SCHEMA),
@@ -122,7 +145,16 @@ class World:
             for name, first in self.files.items():
                 line = {"click_id": _click_id(first), "ts_us": first, "query_id": "10.1.2.3-4711-1", "ad_id": "a1"}
                 (logs / dc / "clicks" / name).write_text(json.dumps(line) + "\n" + '{"click_id": \n' * 3)
+        for dc, rel, stamps in self.logged:
+            path = logs / dc / "clicks" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps(click_line(ts)) for ts in stamps]
+            path.write_text("\n".join([*lines, '{"click_id": ', *lines[:1]]) + "\n")  # a bad line, a re-sent one
         return out, logs
+
+
+def click_line(ts: int) -> dict[str, Any]:
+    return {"click_id": _click_id(ts), "ts_us": ts, "query_id": f"10.1.2.3-4711-{ts - 5 * US}", "ad_id": "a1"}
 
 
 def check(world: World, tmp_path: Path, settings: QualitySettings | None = None) -> Any:
@@ -215,10 +247,40 @@ SKEW = "joined: expect_column_values_to_be_between(click_after_query_s)"
 LATENCY = "joined: expect_column_values_to_be_between(live_latency_s)"
 UNJOINABLE = "rates: expect_column_values_to_be_between(unjoinable_rate)"
 QUARANTINE = "rates: expect_column_values_to_be_between(quarantine_rate)"
+NO_OUTCOME = "completeness: expect_column_values_to_be_null(no_outcome)"
+TWICE = "completeness: expect_column_values_to_be_null(joined_more_than_once)"
 REQUIRED = ["click_id", "query_id", "ad_id", "click_ts_us", "query_ts_us", "joined_at_us", "pipeline"]
+UNREAD = [START + 1_234 * US + k for k in range(7)]  # clicks of a file no pipeline read
+
+
+def _file_never_read(w: World) -> None:  # dropped into dc-a's 04:20 partition after the joiner ran
+    w.log_clicks("dc-a", UNREAD, arrival=START + 20 * 60 * US + 3 * US, name="10.9.8.7-88-late.jsonl")
+
+
+def _file_never_read_next_hour(w: World) -> None:  # the same, in the next hour's partition: that hour's business
+    w.log_clicks("dc-a", UNREAD, arrival=END + 3 * US, name="10.9.8.7-88-late.jsonl")
+
+
+def _recovered_copy(w: World) -> None:  # the verifier's copy names clicks whose originals are in older files
+    w.log_clicks("dc-a", UNREAD, arrival=START + 20 * 60 * US, name="recovered-1763698800000000.jsonl")
+
+
+def _only_one_replica(w: World) -> None:  # dc-b never received the first file; dc-a's copy is enough
+    w.logged = [f for f in w.logged if not (f[0] == "dc-b" and f[1].endswith("b0.jsonl"))]
+
+
+def _joined_by_one_given_up_by_the_other(w: World) -> None:
+    w.give_up(w.joined[0]["click_ts_us"], ("dc-b",))
+
+
+def _no_output_at_all(w: World) -> None:  # the input is there, every pipeline's output for it is not
+    w.joined.clear()
+    w.unjoinable.clear()
+    w.quarantine.clear()
+
 
 CASES: list[Any] = [
-    pytest.param(_duplicate, [UNIQUE], id="unique-fails-on-a-click-joined-twice"),
+    pytest.param(_duplicate, [UNIQUE, TWICE], id="unique-fails-on-a-click-joined-twice"),
     pytest.param(_second_click_on_a_query, [], id="unique-passes-two-clicks-of-one-query"),
     *(pytest.param(_null(c, 0), [NOT_NULL.format(c)], id=f"not-null-{c}-fails-in-this-hour") for c in REQUIRED),
     *(pytest.param(_null(c, 1), [], id=f"not-null-{c}-passes-a-row-of-the-next-hour") for c in REQUIRED),
@@ -235,7 +297,15 @@ CASES: list[Any] = [
     pytest.param(_bad_lines_of_the_hour_before, [], id="quarantine-passes-bad-lines-of-the-hour-before"),
     pytest.param(_bad_lines_in_both_replicas, [], id="quarantine-passes-a-line-counted-once-across-replicas"),
     pytest.param(_bad_lines_recovered, [], id="quarantine-passes-recovered-copies-not-counted"),
-    pytest.param(_nothing_but_bad_lines, [QUARANTINE], id="quarantine-fails-bad-lines-and-no-click-decided"),
+    pytest.param(
+        _nothing_but_bad_lines, [QUARANTINE, NO_OUTCOME], id="quarantine-fails-bad-lines-and-no-click-decided"
+    ),
+    pytest.param(_no_output_at_all, [NO_OUTCOME], id="completeness-fails-input-without-any-output"),
+    pytest.param(_file_never_read, [NO_OUTCOME], id="completeness-fails-a-click-file-no-pipeline-read"),
+    pytest.param(_file_never_read_next_hour, [], id="completeness-passes-a-file-of-the-next-hours-partition"),
+    pytest.param(_recovered_copy, [], id="completeness-passes-recovered-copies-not-counted"),
+    pytest.param(_only_one_replica, [], id="completeness-passes-a-file-in-one-replica-only"),
+    pytest.param(_joined_by_one_given_up_by_the_other, [], id="completeness-passes-joined-once-given-up-elsewhere"),
 ]
 
 
@@ -290,21 +360,23 @@ def test_gx_log_keeps_to_one_line_per_failed_expectation(
     _skew(11)(w)
     caplog.set_level(logging.DEBUG)
     r = check(w, tmp_path)
-    assert sorted(r.failed) == sorted([UNIQUE, SKEW])
+    assert sorted(r.failed) == sorted([UNIQUE, SKEW, TWICE])
     gx_records = [rec for rec in caplog.records if rec.name.startswith("great_expectations")]
     assert [rec for rec in gx_records if rec.levelno < logging.WARNING] == []
     mine = [rec.getMessage() for rec in caplog.records if rec.name == "photon.quality"]
-    assert len(mine) == 3, mine  # the verdict, then one line per failed expectation
-    assert "FAIL, 2 expectation(s)" in mine[0]
-    assert "expect_column_values_to_be_unique(click_id): unexpected 2 of 1,001" in mine[1] + mine[2]
+    assert len(mine) == 4, mine  # the verdict, then one line per failed expectation
+    assert "FAIL, 3 expectation(s)" in mine[0]
+    assert "1010 input clicks, 0 without outcome, 1 joined more than once" in mine[0]
+    assert "expect_column_values_to_be_unique(click_id): unexpected 2 of 1,001" in "".join(mine[1:])
+    assert f"(joined_more_than_once): unexpected 1 of 1,010 (0.10%), e.g. ['{w.joined[0]['click_id']}']" in mine[3]
     captured = capfd.readouterr()
     assert "Calculating Metrics" not in captured.err + captured.out  # GX's progress bars are off
 
 
 def test_an_interval_without_clicks_passes(tmp_path: Path) -> None:
     out, logs = World().write(tmp_path)
-    r = check_quality(out, logs, END, END + HOUR)
-    assert r.success and r.joined == 0 and r.quarantined == 0
+    r = check_quality(out, logs, END + HOUR, END + 2 * HOUR)
+    assert r.success and r.joined == 0 and r.quarantined == 0 and r.input_clicks == 0
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +403,77 @@ def test_generated_logs_and_their_correct_output_pass(generated: tuple[Path, Pat
     one_replica = files.filter(pc.equal(files["dc"], "dc-a"))
     assert r.quarantined == pc.sum(one_replica["malformed"]).as_py() > 0  # every malformed line, once
     assert r.statistics["joined"]["evaluated_expectations"] == 10
+    clicks = pq.read_table(logs / "_manifest" / "clicks.parquet", columns=["click_id"])
+    assert (r.input_clicks, r.no_outcome, r.joined_more_than_once) == (clicks.num_rows, 0, 0)  # read by our parser
     index = Path(r.docs_index)
     assert index.is_file() and "photon_joined" in index.read_text()
     print(f"GX checkpoint for one interval, {r.joined} joined rows: {seconds:.2f} s")
+
+
+# -- completeness ---------------------------------------------------------------------------------------------------
+
+
+def test_completeness_counts_and_names_the_clicks_no_pipeline_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = World()
+    _file_never_read(w)
+    caplog.set_level(logging.INFO, logger="photon.quality")
+    r = check(w, tmp_path)
+    assert not r.success
+    assert (r.input_clicks, r.no_outcome, r.joined_more_than_once) == (N + 10 + 7, 7, 0)
+    assert r.samples["no_outcome"] == sorted(_click_id(ts) for ts in UNREAD)[:5]
+    assert r.details == [f"{NO_OUTCOME}: unexpected 7 of 1,017 (0.69%), e.g. {[_click_id(ts) for ts in UNREAD[:3]]}"]
+    assert any(NO_OUTCOME in rec.getMessage() and _click_id(UNREAD[0]) in rec.getMessage() for rec in caplog.records)
+    page = next((tmp_path / "out" / "_quality" / "data_docs" / "validations").rglob("*.html")).parent.parent
+    pages = "".join(p.read_text() for p in page.parent.rglob("*.html"))
+    assert "no_outcome" in pages and _click_id(UNREAD[0]) in pages  # Data Docs show the ids too
+
+
+def test_completeness_sees_an_output_file_removed_after_it_was_indexed(tmp_path: Path) -> None:
+    """The output index (``<out>/_quality/index``) remembers each file's click-time range; a file gone since is
+    dropped from it, and its clicks have no outcome."""
+    out, logs = World().write(tmp_path)
+    first = check_quality(out, logs, START, END)
+    assert first.success, first.details
+    assert (first.input_clicks, first.output_files_read) == (N + 10, 4)
+    (out / "dc-b" / "joined" / "part-0.parquet").unlink()
+    r = check_quality(out, logs, START, END)
+    assert not r.success and r.failed == [NO_OUTCOME]
+    assert r.no_outcome == N // 2  # dc-b's half
+    assert r.samples["no_outcome"] == sorted(_click_id(START + i * 3_600_000 + 1) for i in range(1, N, 2))[:5]
+
+
+def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks(tmp_path: Path) -> None:
+    """An output file of other hours (its footer's click-time range holds no input click) is never opened; one of
+    this hour is, and a second joined copy there fails the hour."""
+    w = World()
+    w.joined += [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]  # an older hour, in its own file
+    out, logs = w.write(tmp_path)
+    old = pa.Table.from_pylist([r for r in w.joined if r["click_ts_us"] < START], schema=JOINED_SCHEMA)
+    pq.write_table(old, out / "dc-a" / "joined" / "part-old.parquet")
+    pq.write_table(old, out / "dc-b" / "joined" / "part-old.parquet")  # the older hour joined twice: not ours
+    r = check_quality(out, logs, START, END)
+    assert r.success, r.details
+    assert (r.output_files, r.output_files_read) == (6, 4)  # part-0 of each pipeline and kind, not part-old
+    again = pa.Table.from_pylist([w.joined[1]], schema=JOINED_SCHEMA)  # dc-b's click, joined by dc-a too
+    pq.write_table(again, out / "dc-a" / "joined" / "part-2.parquet")
+    r = check_quality(out, logs, START, END)
+    assert sorted(r.failed) == sorted([UNIQUE, TWICE])
+    assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
+
+
+def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
+    """Before its partitions are sealed and its last clicks' deadlines have passed, a click may still wait in a
+    retry set: the check refuses to judge (clear error), and judges once settled."""
+    w = World()
+    _no_output_at_all(w)
+    out, logs = w.write(tmp_path)
+    s = QualitySettings()
+    settled = s.settled_at_us(END)
+    assert settled == END + (60 + 120 + 120) * US
+    with pytest.raises(NotSettled, match="settles at 2025-11-21 05:05:00"):
+        check_quality(out, logs, START, END, s, now_us=settled - 1)
+    assert not (out / "_quality").exists()  # nothing judged, nothing reported
+    r = check_quality(out, logs, START, END, s, now_us=settled)
+    assert not r.success and r.no_outcome == N + 10

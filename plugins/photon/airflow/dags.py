@@ -174,8 +174,10 @@ def data_quality_dag() -> DAG:
     """A Great Expectations checkpoint over every pipeline's output for the clicks of one interval, once the
     joiners have had ``settle_min`` minutes to decide them. The task fails when the checkpoint fails; its summary goes
     to XCom (``return_value`` when it passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``.
-    Latency is judged for the live pipelines only; quarantined lines count for the interval of their log file (read
-    from the logs), so a backfilled hour is judged like a live one (see ``photon.quality``)."""
+    Completeness: every well-formed click of the interval's click files has exactly one outcome, judged once the
+    interval has settled (before that the task is retried, neither passed nor failed). Latency is judged for the live
+    pipelines only; quarantined lines count for the interval of their log file (read from the logs), so a backfilled
+    hour is judged like a live one (see ``photon.quality``)."""
     with _dag(
         dag_id="photon_data_quality",
         description="Photon data quality: a GX checkpoint per interval, with Data Docs",
@@ -192,9 +194,14 @@ def data_quality_dag() -> DAG:
             "latency_mostly": Param(0.99, type="number", minimum=0, maximum=1),
             "max_unjoinable_rate": Param(0.05, type="number", minimum=0, maximum=1),
             "max_quarantine_rate": Param(0.05, type="number", minimum=0),
+            "max_join_delay_s": Param(120.0, type="number", minimum=0, description="The joiners' maximum join delay."),
+            "settle_margin_s": Param(
+                120.0, type="number", minimum=0, description="Completeness is judged this long after the last deadline."
+            ),
         },
     ) as dag:
-        # The joiners decide a click within the maximum join delay of its arrival: check once they have.
+        # The joiners decide a click within the maximum join delay of its arrival: check once they have (a check that
+        # runs earlier than the interval settles is retried, never judged).
         settle = TimeDeltaSensor(
             task_id="settle",
             delta="{{ params.settle_min }}",  # type: ignore[arg-type]  # templated: rendered to minutes
@@ -206,9 +213,9 @@ def data_quality_dag() -> DAG:
         def checkpoint(logs: str, out: str, **context: Any) -> dict[str, Any]:
             from pathlib import Path
 
-            from airflow.sdk.exceptions import AirflowFailException
+            from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-            from photon.quality import QualitySettings, check_quality
+            from photon.quality import NotSettled, QualitySettings, check_quality
 
             p = context["params"]
             settings = QualitySettings(
@@ -217,10 +224,15 @@ def data_quality_dag() -> DAG:
                 latency_mostly=float(p["latency_mostly"]),
                 max_unjoinable_rate=float(p["max_unjoinable_rate"]),
                 max_quarantine_rate=float(p["max_quarantine_rate"]),
+                max_join_delay_s=float(p["max_join_delay_s"]),
+                settle_margin_s=float(p["settle_margin_s"]),
             )
             start = int(context["data_interval_start"].timestamp() * 1_000_000)
             end = int(context["data_interval_end"].timestamp() * 1_000_000)
-            result = check_quality(Path(out), Path(logs), start, end, settings)
+            try:
+                result = check_quality(Path(out), Path(logs), start, end, settings)
+            except NotSettled as exc:  # neither pass nor fail: the retry asks again
+                raise AirflowException(f"data-quality checkpoint not run: {exc}") from exc
             summary = result.summary()
             context["ti"].xcom_push(key="summary", value=summary)
             if not result.success:
