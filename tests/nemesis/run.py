@@ -178,6 +178,7 @@ class Nemesis:
         self.pg_up_at: float | None = None
         self.started = 0
         self.skewed: dict[str, float] = {}  # dc -> the clock offset of its running lease, if skewed
+        self.next_clock: dict[str, float] = {}  # dc -> the clock offset of its next lease
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _setup_registry(self) -> None:
@@ -298,11 +299,19 @@ class Nemesis:
         elif f.kind == "verify":
             self._verify(f.arg, now)
         elif f.kind == "clock" and f.target not in self.lost:
-            # Airflow's next lease of this pipeline lands on a host with a skewed clock.
+            # Airflow's next lease of this pipeline lands on a host with a skewed clock: within the skew, whenever
+            # the current lease ends; beyond it, now (the current lease killed): it must refuse before Spark starts.
+            if abs(f.arg) <= SKEW_S:
+                self.next_clock[f.target] = f.arg
+                return
             self._kill(self.joiners[f.target])
-            self.joiners[f.target] = self._lease(f.target, clock_s=f.arg)
-            self.lease_log[f.target], self.first_batch_at[f.target] = self.last_log, None
-            self.skewed[f.target] = f.arg
+            self._start_lease(f.target, f.arg)
+
+    def _start_lease(self, dc: str, clock_s: float = 0.0) -> None:
+        self.joiners[dc] = self._lease(dc, clock_s=clock_s)
+        self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
+        if clock_s:
+            self.skewed[dc] = clock_s
             self.outcome.faults["clock"] += 1
 
     def _skewed_exit(self, dc: str, code: int | None) -> None:
@@ -311,11 +320,12 @@ class Nemesis:
         offset = self.skewed.pop(dc, None)
         if offset is None:
             return
+        ran = b" batch " in self.lease_log[dc].read_bytes()
         if abs(offset) <= SKEW_S:
-            self.outcome.faults["clock_within_ran"] += 1
+            self.outcome.faults["clock_within_ran" if ran else "clock_unchecked"] += 1
         elif code == 2 and b"PHOTON_MAX_CLOCK_SKEW_S" in self.lease_log[dc].read_bytes():
             self.outcome.faults["clock_refused"] += 1
-        elif b" batch " not in self.lease_log[dc].read_bytes():
+        elif not ran:
             self.outcome.faults["clock_unchecked"] += 1  # failed before it asked (the registry was down), ran nothing
         else:
             raise AssertionError(
@@ -371,8 +381,8 @@ class Nemesis:
                     self.outcome.joiner_exits[f"{dc}:{proc.returncode}"] += 1
                     self._skewed_exit(dc, proc.returncode)
                 if proc is None or proc.poll() is not None:
-                    self.joiners[dc] = self._lease(dc)  # Airflow starts the next lease (or retries a dead one)
-                    self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
+                    # Airflow starts the next lease (or retries a dead one)
+                    self._start_lease(dc, self.next_clock.pop(dc, 0.0))
                     continue
                 first = self.first_batch_at[dc]
                 if first is None and b" batch " in self.lease_log[dc].read_bytes():
