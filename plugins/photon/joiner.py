@@ -211,7 +211,11 @@ def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
 
 
 def _future_reason(max_future_s: float) -> str:
-    return f"stamped more than {max_future_s:g} s ahead of the registry's clock (twice the clock skew plus margin)"
+    # "the joiner's clock" is the registry server's, as the joiner reads it (kept word for word: readers match it)
+    return (
+        f"stamped more than {max_future_s:g} s ahead of the joiner's clock (the registry server's; twice the maximum "
+        "clock skew plus margin)"
+    )
 
 
 def _implausible(ts_us: np.ndarray, now_us: int, max_future_us: int) -> np.ndarray:
