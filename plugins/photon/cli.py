@@ -403,6 +403,7 @@ def join_cmd(
     ] = 120.0,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
+    from photon.clock import ClockSkewError, ServerClock
     from photon.joiner import Joiner, JoinSettings
     from photon.pipeline_state import PipelineState
     from photon.registry import read_layout
@@ -413,7 +414,10 @@ def join_cmd(
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
 
+    config = load_settings()
     settings = JoinSettings(
+        max_clock_skew_s=config.max_clock_skew_s,
+        max_future_s=config.max_future_s,
         max_join_delay_s=max_join_delay,
         trigger_interval_s=trigger_interval,
         adapter=adapter,
@@ -425,12 +429,15 @@ def join_cmd(
         raise ValueError("give both --window-start and --window-end, or neither")
     servers = servers_from_settings()
     read_layout(servers["main"])  # an uninitialised or unreachable registry: one clear line, before Spark starts
+    # A host whose clock is off from the registry server's by more than the skew: one clear line, before Spark starts.
+    clock = ServerClock(servers["main"], settings.max_clock_skew_s)
+    clock.check()
     # A standby announces itself from now on (starting, then ready once warm), so the lease before it holds on
     # until it is ready rather than leave the pipeline idle while its Spark session starts.
     announcing = PipelineState(servers["main"], pipeline or dc).standing_by() if standby else contextlib.nullcontext()
     with announcing as announcement:
         spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
-        joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline)
+        joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline, clock=clock)
         if announcement is not None:
             joiner.warm_up()
             announcement.ready()
@@ -448,13 +455,17 @@ def join_cmd(
             f"quarantined, {m['duration_s']:.1f}s"
         )
 
-    results = joiner.run(
-        run_for_s=run_for,
-        until_caught_up=until_caught_up,
-        drain=drain,
-        on_batch=report,
-        hand_over_wait_s=hand_over_wait,
-    )
+    try:
+        results = joiner.run(
+            run_for_s=run_for,
+            until_caught_up=until_caught_up,
+            drain=drain,
+            on_batch=report,
+            hand_over_wait_s=hand_over_wait,
+        )
+    except ClockSkewError:  # drifted mid-lease: its batches are committed; a standby may take over at once
+        joiner.release()
+        raise
     joiner.release()  # a standby takes over now
     held = f" (held on {joiner.held_s:.1f}s for a standby to be ready)" if joiner.held_s >= 0.5 else ""
     console.print(f"{dc}: {len(results)} batch(es) committed{held}")
@@ -643,6 +654,7 @@ def main() -> None:
         app(prog_name="photon")
     except Exception as exc:
         # The error classes are imported only now: their modules load Arrow, which `--help` does not need.
+        from photon.clock import ClockSkewError
         from photon.durable import CorruptStateError
         from photon.ids import InvalidEventIdError
         from photon.migrations import MigrationError
@@ -656,6 +668,7 @@ def main() -> None:
             | MigrationError
             | InvalidEventIdError
             | CorruptStateError
+            | ClockSkewError
             | ValueError,
         ):
             raise

@@ -42,9 +42,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
+from photon.clock import ClockSkewError, ServerClock
 from photon.durable import check_parquet, fsync_dir, make_dirs
 from photon.eventstore import RECOVER_STORE, index_rows, read_store_file
-from photon.layout import SEAL_S, list_closed, part_of_name, partition_of, sealed_before
+from photon.layout import list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import (
     BAD_FIELDS,
     CLICK_FIELDS,
@@ -64,7 +65,7 @@ from photon.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
-from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
+from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US, time_bound_s
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -122,9 +123,16 @@ class JoinSettings:
     window_margin_s: float = 120.0
     # A live joiner heartbeats this often, idle or not; the verifier's grace period must be several times longer.
     heartbeat_s: float = 5.0
-    # An event stamped further ahead of the joiner's clock is decided at the door (a click: unjoinable/, a query:
-    # quarantine/), and the registry refuses such ids with the same bound: the maximum clock skew plus a margin.
+    # An event stamped further ahead of the registry server's clock is decided at the door (a click: unjoinable/, a
+    # query: quarantine/), and the registry refuses such ids with the same bound: twice the skew plus a margin.
     max_future_s: float = MAX_FUTURE_S
+    # Every clock is off from true time by at most this much (EVENTS.md): a lease whose host is further from the
+    # registry server's refuses to run; the seal follows it (settings.time_bound_s).
+    max_clock_skew_s: float = MAX_CLOCK_SKEW_S
+
+    @property
+    def seal_s(self) -> float:
+        return time_bound_s(self.max_clock_skew_s)
 
 
 @dataclass
@@ -203,7 +211,11 @@ def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
 
 
 def _future_reason(max_future_s: float) -> str:
-    return f"stamped more than {max_future_s:g} s ahead of the joiner's clock (maximum clock skew plus margin)"
+    # "the joiner's clock" is the registry server's, as the joiner reads it (kept word for word: readers match it)
+    return (
+        f"stamped more than {max_future_s:g} s ahead of the joiner's clock (the registry server's; twice the maximum "
+        "clock skew plus margin)"
+    )
 
 
 def _implausible(ts_us: np.ndarray, now_us: int, max_future_us: int) -> np.ndarray:
@@ -274,6 +286,8 @@ class _Task:
 
     dc: str  # the pipeline's name, as written in the output
     tag: str
+    # The batch's "now": the registry server's clock at its start, read by the driver. Every decision a later lease
+    # or another host relies on (door, first seen, due times, deadlines) takes it, never the executor's own clock.
     now: int
     stage: str
     state: str
@@ -288,6 +302,8 @@ class _Task:
     retry_max_s: float
     adapter: str
     max_future_s: float
+    max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
+    clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
 
 
 def _source_task(
@@ -321,7 +337,7 @@ def _source_task(
                 bad = _unparsable_file(rel, content, exc)
                 offsets = lengths = np.zeros(0, np.int64)
             # Event time sanity at the door: an implausible stamp is decided in the batch it arrives in.
-            now = int(time.time() * US)
+            now = t.now
             if kind == "queries" and _implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US)).any():
                 plausible = ~_implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US))
                 good, offsets, lengths = good.filter(pa.array(plausible)), offsets[plausible], lengths[plausible]
@@ -419,10 +435,10 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
             )
 
     if due.num_rows:
-        # Event time sanity at the door (by this worker's clock, read before the registry's own check, which has the
-        # same bound and so never refuses what passed here).
+        # Event time sanity at the door (by the batch's server time, which the registry's own check is also given:
+        # the same bound on the same clock, so it never refuses what passed here).
         ts = due.column("click_ts_us").to_numpy()
-        now = int(time.time() * US)
+        now = t.now
         ahead = ts > now + int(t.max_future_s * US)
         give_up(due.filter(pa.array(ahead)), _future_reason(t.max_future_s))
         give_up(due.filter(pa.array(ts < PLAUSIBLE_FROM_US)), REASON_BEFORE)
@@ -470,12 +486,13 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         keep = adapted.filter(pa.array(~filtered))
         # 5. registration: one transaction per shard, under the batch's token.
         if keep.num_rows:
-            res = reg.register(keep.column("click_id"), Token.from_value(t.token))
+            res = reg.register(keep.column("click_id"), Token.from_value(t.token), now_us=t.now)
             counts["registry_txns"] += len(res.shards)
             counts["registry_rows"] += sum(s.rows for s in res.shards)
             counts["registry_retries"] += res.retries
             outcome = np.asarray(res.outcomes)
-            joined_at = int(time.time() * US)
+            # A measurement (latency), not a decision: this worker's clock on the server's scale, never before now.
+            joined_at = max(t.now, int(time.time() * US) + t.clock_offset_us)
             won = (outcome == Outcome.WON) | (outcome == Outcome.WON_AGAIN)
             counts["won_again"] = int(np.count_nonzero(outcome == Outcome.WON_AGAIN))
             counts["wasted"] = int(np.count_nonzero(outcome == Outcome.LOST))
@@ -492,7 +509,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay, which
         # runs from the click's time, but never from later than the maximum clock skew after it was first seen (a
         # click stamped ahead waits no longer than an honest one), or from its recovery.
-        first_seen = miss.column("first_seen_us").to_numpy() + int(MAX_CLOCK_SKEW_S * US)
+        first_seen = miss.column("first_seen_us").to_numpy() + t.max_clock_skew_us
         since = np.maximum(
             np.minimum(miss.column("click_ts_us").to_numpy(), first_seen),
             pc.fill_null(miss.column("recovered_us"), 0).to_numpy(),
@@ -536,9 +553,11 @@ class Joiner:
         settings: JoinSettings | None = None,
         *,
         pipeline: str | None = None,
+        clock: ServerClock | None = None,
     ):
         """Joins ``<logs>/<dc>`` into ``<out>/<pipeline>``; the pipeline (its state, token owner and output folder)
-        is named after the data center unless given, as a backfill names its own."""
+        is named after the data center unless given, as a backfill names its own. ``clock``: the registry main
+        server's (measured here unless given)."""
         self.dc, self.logs, self.out = dc, logs, out
         self.pipeline = pipeline or dc
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,30}", self.pipeline):
@@ -549,6 +568,7 @@ class Joiner:
         self.servers = dict(servers)
         self.spark = spark
         self.s = settings or JoinSettings()
+        self.clock = clock or ServerClock(self.servers["main"], self.s.max_clock_skew_s)
         self.state = PipelineState(self.servers["main"], self.pipeline)
         self.root = out / self.pipeline
         self.state_dir = self.root / "_state"
@@ -573,6 +593,8 @@ class Joiner:
     def _start(self, unless_live_within_s: float | None) -> Lease | None:
         """A new lease, then recovery and state; None (nothing done) if ``unless_live_within_s`` is given and a live
         lease holds the pipeline."""
+        self.clock.measure()  # a host whose clock is off more than the skew takes no lease (ClockSkewError)
+        self.clock.check()
         lease = self.state.start_lease(unless_live_within_s=unless_live_within_s)
         if lease is None:
             return None
@@ -623,7 +645,7 @@ class Joiner:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _dry_batch(self, folder: Path) -> None:
-        now = int(time.time() * US)
+        now = self.clock.now_us()
         bucket_us = self.s.bucket_s * US
         buckets = int(self.s.max_join_delay_s // self.s.bucket_s) + 2  # the buckets the next clicks' queries are in
         old = now - int((self.s.max_join_delay_s + 60) * US)  # too old to wait for a query: decided at once
@@ -665,7 +687,7 @@ class Joiner:
         s = self.s
         if s.window_start_us is None:
             return {"queries": None, "clicks": None}
-        seal = int(SEAL_S * US)
+        seal = int(self.s.seal_s * US)
         first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
         return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
 
@@ -678,7 +700,7 @@ class Joiner:
         # The EventStore's newest minute, which the next lookups read first (named from the clock, not listed: the
         # store holds every bucket ever written). An older damaged file is named when a lookup reads it.
         store = self.state_dir / "eventstore"
-        newest = int(time.time()) // self.s.bucket_s
+        newest = self.clock.now_us() // US // self.s.bucket_s
         for b in range(newest - max(1, 60 // self.s.bucket_s), newest + 1):
             folder = store / f"bucket={b}"
             for p in sorted(folder.iterdir()) if folder.is_dir() else []:
@@ -711,12 +733,19 @@ class Joiner:
         A lease ends right after a batch, once its term ends before the next trigger would. If a standby of the
         pipeline is still starting then (``PipelineState.successor``), it keeps joining, up to ``hand_over_wait_s``
         past its term, until the standby is ready: the caller then releases the pipeline and the standby takes over
-        at once, instead of the pipeline waiting for a Spark start."""
+        at once, instead of the pipeline waiting for a Spark start.
+
+        Once per heartbeat period, between batches, the offset to the registry server's clock is measured again: a
+        host whose clock drifted further than the maximum clock skew stops after its current batch and raises
+        :class:`ClockSkewError`."""
         if self.lease is None:
             self.start()
         assert self.lease is not None
         with self.state.heartbeating(self.lease, self.s.heartbeat_s):
-            return self._loop(run_for_s, until_caught_up, drain, max_batches, on_batch, hand_over_wait_s)
+            results = self._loop(run_for_s, until_caught_up, drain, max_batches, on_batch, hand_over_wait_s)
+        if self.clock_error is not None:  # its batches are committed; the caller releases the lease and fails
+            raise self.clock_error
+        return results
 
     def _loop(
         self,
@@ -728,12 +757,14 @@ class Joiner:
         hand_over_wait_s: float = 0.0,
     ) -> list[BatchResult]:
         deadline = time.monotonic() + run_for_s if run_for_s is not None else None
-        self.held_s, self._holding = 0.0, False
+        self.held_s, self._holding, self.clock_error = 0.0, False, None
         k = self.last_batch
         results = []
         retried_since_files = False
         while True:
             t0 = time.monotonic()
+            if self._clock_off():
+                break
             q_files, c_files = self._new_files()
             pending, due = self._retry_counts()
             ran = False
@@ -757,6 +788,27 @@ class Joiner:
             if self._pause(t0 + self.s.trigger_interval_s, deadline, hand_over_wait_s):
                 break
         return results
+
+    clock_error: ClockSkewError | None = None  # why the last run() stopped early: this host's clock drifted off
+
+    def _clock_off(self) -> bool:
+        """Between batches, once per heartbeat period: measure the offset to the server again; True (and
+        ``clock_error`` set) if this host's clock has drifted past the bound, so the lease stops after the batch it
+        ran. A registry that cannot be reached keeps the last offset (the batch itself will fail or wait)."""
+        if time.monotonic() - self.clock.measured_at < self.s.heartbeat_s:
+            return False
+        try:
+            self.clock.measure()
+        except Exception as exc:
+            log.warning("%s: cannot measure the registry server's clock: %s", self.pipeline, exc)
+            return False
+        try:
+            self.clock.check()
+        except ClockSkewError as exc:
+            log.error("%s: %s", self.pipeline, exc)
+            self.clock_error = exc
+            return True
+        return False
 
     _asking: Future[str | None] | None = None
 
@@ -822,7 +874,7 @@ class Joiner:
         backlog bigger than ``max_click_files`` no file waits behind later ones, whatever its name. Only partitions
         from the pipeline's mark on are listed; the marks the batch will commit move past partitions that are
         sealed and left with nothing to consume."""
-        sealed = sealed_before(int(time.time() * US))
+        sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
         def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
@@ -875,7 +927,7 @@ class Joiner:
         if self.retry_dir is None or not any(self.retry_dir.glob("*.parquet")):
             return 0, 0
         due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
-        return len(due_us), int(np.count_nonzero(due_us <= int(time.time() * US)))
+        return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
 
     def _task(self, tag: str, now: int, stage: Path, token: int) -> _Task:
         return _Task(
@@ -895,6 +947,8 @@ class Joiner:
             retry_max_s=self.s.retry_max_s,
             adapter=self.s.adapter,
             max_future_s=self.s.max_future_s,
+            max_clock_skew_us=int(self.s.max_clock_skew_s * US),
+            clock_offset_us=self.clock.offset.offset_us,
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
@@ -921,7 +975,7 @@ class Joiner:
         assert self.lease is not None
         lease = self.lease
         t_start = time.time()
-        now = int(t_start * US)
+        now = self.clock.now_us()
         tag = self._tag(k, lease.epoch)
         t = self._task(tag, now, self.staging / tag, lease.token(k).value)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}

@@ -8,9 +8,11 @@ arrived since, never what arrived in all the months before. A file is named by i
 manifest and quarantine records. Files directly in ``<kind>/`` (the layout before partitions) are still read; their
 listing costs what the folder holds.
 
-A writer puts a closed file under the minute it arrives by its own clock, off by at most the maximum clock skew. So
-once a reader's clock is ``SEAL_S`` past a partition's end, no new file can land there: the partition is sealed, and
-a reader whose every file of it is consumed moves past it for good.
+A writer puts a closed file under the minute it arrives by its own clock, off from true time by at most the maximum
+clock skew; readers judge by the registry main server's clock (photon/clock.py), off by at most as much. So once the
+server's clock is ``seal_s`` = 2 x skew + margin (``settings.time_bound_s``; 60 s by default) past a partition's end,
+no new file can land there: the partition is sealed, and a reader whose every file of it is consumed moves past it
+for good.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from photon.settings import MAX_FUTURE_S
+from photon.settings import MAX_CLOCK_SKEW_S, time_bound_s
 
 US = 1_000_000
 MINUTE_US = 60 * US
-# A partition is sealed this long after its end: the writers' clock skew plus the same margin the door uses.
-SEAL_S = MAX_FUTURE_S
+# A partition is sealed this long after its end, at the default skew (settings.Settings.seal_s for the configured one).
+SEAL_S = time_bound_s(MAX_CLOCK_SKEW_S)
 INPROGRESS = ".inprogress"
 
 
@@ -40,9 +42,10 @@ def partition_start_us(part: str) -> int:
     return int(datetime.strptime(part, "%Y%m%d/%H%M").replace(tzinfo=UTC).timestamp()) * US
 
 
-def sealed_before(now_us: int) -> str:
-    """The oldest partition that may still receive files at ``now_us``: every older one is sealed."""
-    return partition_of(now_us - int(SEAL_S * US))
+def sealed_before(now_us: int, seal_s: float = SEAL_S) -> str:
+    """The oldest partition that may still receive files at ``now_us`` (the registry server's clock): every older
+    one is sealed."""
+    return partition_of(now_us - int(seal_s * US))
 
 
 def log_path(logs: Path, dc: str, kind: str, name: str, arrival_us: int) -> Path:

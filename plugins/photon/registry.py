@@ -268,11 +268,12 @@ class IdRegistry:
         token: Token,
         *,
         times: Sequence[int] | np.ndarray | None = None,
+        now_us: int | None = None,
     ) -> RegisterResult:
         """Register ids under ``token``; one :class:`Outcome` per input id. Invalid input raises before anything
         is written."""
         keys = ids if isinstance(ids, EventKeys) else EventKeys.from_ids(ids)
-        self._validate(keys, times)
+        self._validate(keys, times, now_us)
         if len(keys) == 0:
             return RegisterResult(keys, np.empty(0, dtype=np.int8))
         uniq, inverse = dedup(keys)
@@ -330,7 +331,7 @@ class IdRegistry:
         return LookupResult(keys, registered, tokens, too_old)
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _validate(self, keys: EventKeys, times: Sequence[int] | np.ndarray | None) -> None:
+    def _validate(self, keys: EventKeys, times: Sequence[int] | np.ndarray | None, now_us: int | None = None) -> None:
         if times is not None:
             t = np.asarray(times, dtype=np.int64)
             if t.shape != keys.ts_us.shape:
@@ -340,7 +341,9 @@ class IdRegistry:
                 np.flatnonzero(t != keys.ts_us),
                 lambda p: f"event time {int(t[p])} differs from the id's own timestamp",
             )
-        limit = int((time.time() + self.options.max_future_s) * 1e6)
+        # ``now_us``: the caller's "now" from the registry server's clock (a joiner's batch); else this host's.
+        now = int(time.time() * 1e6) if now_us is None else now_us
+        limit = now + int(self.options.max_future_s * 1e6)
         _refuse(
             keys,
             np.flatnonzero(keys.ts_us > limit),

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# Event time sanity, one bound for the whole project: server clocks are off by at most MAX_CLOCK_SKEW_S (EVENTS.md),
-# and the host judging an event (a joiner's executor, the registry client) may itself be off by up to the margin.
-# An event stamped further ahead than their sum is refused at the door (joiner) and by the registry alike.
+# Time, one bound for the whole project: every clock (log writers, the registry's main server, any host that acts)
+# is off from true time by at most MAX_CLOCK_SKEW_S (EVENTS.md). Decisions follow the main server's clock
+# (photon/clock.py), so two clocks meet in each of them, a writer's and the server's, up to twice the skew apart;
+# the margin covers what the clocks do not: a writer's delay between reading its clock and its file becoming
+# visible, the offset's measurement error (half a round trip), a batch's length. An event stamped further ahead of
+# the server's clock than 2 x skew + margin is refused at the door (joiner) and by the registry alike, and a log
+# partition is sealed that long after its end (layout.py). The defaults keep the 60 s both had before.
 MAX_CLOCK_SKEW_S = 10.0
-FUTURE_MARGIN_S = 50.0
-MAX_FUTURE_S = MAX_CLOCK_SKEW_S + FUTURE_MARGIN_S
+TIME_MARGIN_S = 40.0
+
+
+def time_bound_s(max_clock_skew_s: float) -> float:
+    """How far a writer's clock may be ahead of the server's, plus the margin: the seal and the future bound."""
+    return 2 * max_clock_skew_s + TIME_MARGIN_S
+
+
+MAX_FUTURE_S = time_bound_s(MAX_CLOCK_SKEW_S)
 # Nothing this project joins was logged before this (2010-01-01T00:00:00Z): an older stamp is a broken clock or
 # a corrupt line, not history.
 PLAUSIBLE_FROM_US = 1_262_304_000_000_000
@@ -30,8 +41,20 @@ class Settings(BaseSettings):
     home: Path = Path(".photon")
     # Server clocks are off by at most this much (EVENTS.md).
     max_clock_skew_s: float = MAX_CLOCK_SKEW_S
-    # Ids stamped further than this ahead of now are refused as implausible (a bad clock or a corrupt id).
+    # Ids stamped further than this ahead of now are refused as implausible (a bad clock or a corrupt id). Unset:
+    # 2 x max_clock_skew_s + TIME_MARGIN_S, so raising the skew raises it too.
     max_future_s: float = MAX_FUTURE_S
+
+    @model_validator(mode="after")
+    def _future_follows_skew(self) -> Settings:
+        if "max_future_s" not in self.model_fields_set:
+            self.max_future_s = time_bound_s(self.max_clock_skew_s)
+        return self
+
+    @property
+    def seal_s(self) -> float:
+        """A log partition is sealed this long after its end by the server's clock (layout.py)."""
+        return time_bound_s(self.max_clock_skew_s)
 
 
 def load_settings() -> Settings:

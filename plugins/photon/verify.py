@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,15 +54,17 @@ import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.audit import data_center_of
+from photon.clock import server_now_us
 from photon.durable import fsync_dir, make_dirs
 from photon.ids import EventKeys, format_id
 from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
-from photon.layout import SEAL_S, list_closed, partition_of
+from photon.layout import list_closed, partition_of
 from photon.parse import parse_file
 from photon.pg import autocommit, connect
 from photon.registry import MAIN, read_layout
 from photon.registry_sql import shard_table
 from photon.schemas import JOINED, JOINED_SCHEMA
+from photon.settings import load_settings
 
 US = 1_000_000
 # One advisory lock id for "a verifier pass is running" on the main server.
@@ -313,7 +314,7 @@ def verify_and_recover(
             report.not_in_logs = int(np.count_nonzero(~found))
             if found.any():
                 queries = _find_query_lines(lines.values(), logs, order)
-                stamp = f"{RECOVERED_PREFIX}{int(time.time() * US)}.jsonl"
+                stamp = f"{RECOVERED_PREFIX}{server_now_us(servers[MAIN])}.jsonl"
                 intents = _write_intents(logs, dcs, "queries", stamp, b"".join(queries[k] for k in sorted(queries)))
                 intents += _write_intents(logs, dcs, "clicks", stamp, b"".join(lines[k] for k in sorted(lines)))
                 lcur.execute("SELECT 1")  # the session, and so the lock, is still ours
@@ -321,7 +322,7 @@ def verify_and_recover(
                 report.recovered = int(np.count_nonzero(found))
                 for path in intents:  # queries' intents come first: a recovered click finds its query
                     with contextlib.suppress(FileNotFoundError):  # a query intent another pass published already
-                        published = _publish_intent(path)
+                        published = _publish_intent(path, servers[MAIN])
                         if path.parent.name == "clicks":
                             report.redispatched_files.append(str(published))
         # 9. Clear tokens of committed output.
@@ -388,7 +389,8 @@ def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> 
     process's files, and earlier recoveries, are read."""
     prefixes = (*{w.rsplit("-", 1)[0] + "-" for w in wanted}, RECOVERED_PREFIX)
     # An event's file arrived after the event (give or take the clock skew): older partitions are not read.
-    since = partition_of(min((int(w.rsplit("-", 1)[1]) for w in wanted), default=0) - int(SEAL_S * US))
+    seal = int(load_settings().seal_s * US)
+    since = partition_of(min((int(w.rsplit("-", 1)[1]) for w in wanted), default=0) - seal)
     lines: dict[str, bytes] = {}
     for dc in dict.fromkeys(dcs):
         folder = logs / dc / kind
@@ -452,13 +454,15 @@ def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[
                     with IdRegistry(servers) as reg:
                         if good.num_rows and bool((reg.lookup(good["click_id"]).tokens != 0).any()):
                             continue
-                _publish_intent(folder / n)
+                _publish_intent(folder / n, servers[MAIN])
 
 
-def _publish_intent(path: Path) -> Path:
-    """Rename an intent (``<kind>/<name>.inprogress``) to a closed log file in the partition of this moment, as any
-    log file arriving now (EVENTS.md), durably; returns the file."""
-    target = path.parent / partition_of(int(time.time() * US)) / path.name.removesuffix(".inprogress")
+def _publish_intent(path: Path, main_dsn: str) -> Path:
+    """Rename an intent (``<kind>/<name>.inprogress``) to a closed log file in the partition of this moment by the
+    registry main server's clock, as any log file arriving now (EVENTS.md), durably; returns the file. Not this
+    host's clock: the joiners seal partitions by the server's, and a verifier host behind it would put the file in
+    a partition they may have moved past for good."""
+    target = path.parent / partition_of(server_now_us(main_dsn)) / path.name.removesuffix(".inprogress")
     make_dirs(target.parent)
     os.replace(path, target)
     fsync_dir(target.parent)

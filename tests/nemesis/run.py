@@ -9,7 +9,10 @@ from the seed:
 - ``pg_restart``: the registry's PostgreSQL stopped hard (``pg_ctl -m immediate``) and started again seconds later;
 - ``verify``: ``photon verify`` beside the live joiners with a short grace period, sometimes SIGKILLed mid-pass;
 - ``outage``: one replica stops receiving files for a while and catches up (the generator's outage);
-- ``lose_dc``: one data center lost for good: its joiner killed and never restarted.
+- ``lose_dc``: one data center lost for good: its joiner killed and never restarted;
+- ``clock``: a joiner's lease replaced by one on a skewed host clock (Debian's ``faketime``): within the maximum
+  clock skew it runs (its decisions follow the registry server's clock); beyond it (the survivor, after the loss,
+  as in issue 19) it must refuse at once, exit 2, and cost nothing.
 
 Every component runs as a login holding only its role. While the run goes, a checker that reads files only
 asserts that no click id is in two ``joined/`` files. At the end (input stopped): verify, drain the survivors,
@@ -47,14 +50,17 @@ ROOT = Path(__file__).resolve().parents[2]
 DCS = ("dc-a", "dc-b")
 MAX_JOIN_DELAY_S = 20.0
 MARGIN_S = 5.0
+SKEW_S = 10.0  # PHOTON_MAX_CLOCK_SKEW_S (the default) for every process of the run
 
 
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    kind: str  # kill | pg_restart | verify | lose_dc
+    kind: str  # kill | pg_restart | verify | lose_dc | clock
     target: str = ""
-    arg: float = 0.0  # pg_restart: seconds down; verify: SIGKILL after this many seconds (0: let it finish)
+    # pg_restart: seconds down; verify: SIGKILL after this many seconds (0: let it finish); clock: the host clock's
+    # offset in seconds
+    arg: float = 0.0
 
 
 @dataclass
@@ -87,6 +93,13 @@ def plan(seed: int, seconds: float, rate: float = 300.0) -> Plan:
         faults.append(Fault(t, "verify", "", rng.uniform(0.2, 2.0) if rng.random() < 0.3 else 0.0))
         t += rng.uniform(8.0, 16.0)
     outage = (rng.choice(DCS), rng.uniform(0.1, 0.4) * seconds, rng.uniform(8.0, 20.0))
+    # (Drawn after the rest, so a seed's other faults stay what they were.)
+    # A lease on a host within the skew (it runs), and the survivor's next lease after the loss beyond it (refused).
+    within = rng.choice((-1, 1)) * rng.uniform(2.0, SKEW_S - 2.0)
+    faults.append(Fault(rng.uniform(0.1, 0.45) * seconds, "clock", rng.choice(DCS), within))
+    survivor = DCS[1 - DCS.index(lost)]
+    beyond = rng.choice((-1, 1)) * rng.uniform(SKEW_S + 20, 150)
+    faults.append(Fault(loss_at + rng.uniform(0.05, 0.15) * seconds, "clock", survivor, beyond))
     return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, sorted(faults, key=lambda f: f.at_s))
 
 
@@ -164,6 +177,8 @@ class Nemesis:
         self.verifier_kill_at: float | None = None
         self.pg_up_at: float | None = None
         self.started = 0
+        self.skewed: dict[str, float] = {}  # dc -> the clock offset of its running lease, if skewed
+        self.next_clock: dict[str, float] = {}  # dc -> the clock offset of its next lease
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _setup_registry(self) -> None:
@@ -193,7 +208,12 @@ class Nemesis:
         return env
 
     def _spawn(
-        self, name: str, args: list[str], role: str | None, extra: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        role: str | None,
+        extra: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         self.started += 1
         self.last_log = self.proc_logs / f"{self.started:04d}-{name}.log"
@@ -201,7 +221,7 @@ class Nemesis:
         env = self._env(role) if role else {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
         env |= extra or {}
         return subprocess.Popen(
-            [sys.executable, "-m", "photon", *args],
+            [*(prefix or []), sys.executable, "-m", "photon", *args],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -224,12 +244,15 @@ class Nemesis:
         args += ["--set", f"boundary_margin_s={MARGIN_S}"]
         return self._spawn("generator", args, None)
 
-    def _lease(self, dc: str, crash_at: str | None = None) -> subprocess.Popen[bytes]:
+    def _lease(self, dc: str, crash_at: str | None = None, clock_s: float = 0.0) -> subprocess.Popen[bytes]:
         lease = self.rng.uniform(*self.p.lease_s)
         args = ["join", "--dc", dc, "--logs", str(self.logs), "--out", str(self.out), "--run-for", f"{lease:.0f}"]
         args += ["--trigger-interval", "0.5", "--max-join-delay", str(MAX_JOIN_DELAY_S), "--master", "local[1]"]
         extra = {"PHOTON_CRASH_AT": crash_at} if crash_at else None
-        return self._spawn(f"join-{dc}", args, "photon_joiner", extra)
+        prefix = ["faketime", "-f", f"{clock_s:+.0f}s"] if clock_s else None
+        return self._spawn(
+            f"join-{dc}" + (f"-clock{clock_s:+.0f}s" if clock_s else ""), args, "photon_joiner", extra, prefix
+        )
 
     def _verify(self, kill_after: float, now: float) -> None:
         if self.verifier is not None and self.verifier.poll() is None:
@@ -275,6 +298,39 @@ class Nemesis:
             self.outcome.faults["pg_restart"] += 1
         elif f.kind == "verify":
             self._verify(f.arg, now)
+        elif f.kind == "clock" and f.target not in self.lost:
+            # Airflow's next lease of this pipeline lands on a host with a skewed clock: within the skew, whenever
+            # the current lease ends; beyond it, now (the current lease killed): it must refuse before Spark starts.
+            if abs(f.arg) <= SKEW_S:
+                self.next_clock[f.target] = f.arg
+                return
+            self._kill(self.joiners[f.target])
+            self._start_lease(f.target, f.arg)
+
+    def _start_lease(self, dc: str, clock_s: float = 0.0) -> None:
+        self.joiners[dc] = self._lease(dc, clock_s=clock_s)
+        self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
+        if clock_s:
+            self.skewed[dc] = clock_s
+            self.outcome.faults["clock"] += 1
+
+    def _skewed_exit(self, dc: str, code: int | None) -> None:
+        """A lease on a skewed clock ended: beyond the skew it must have refused (exit 2, the one line); within it,
+        it is a lease like any other."""
+        offset = self.skewed.pop(dc, None)
+        if offset is None:
+            return
+        ran = b" batch " in self.lease_log[dc].read_bytes()
+        if abs(offset) <= SKEW_S:
+            self.outcome.faults["clock_within_ran" if ran else "clock_unchecked"] += 1
+        elif code == 2 and b"PHOTON_MAX_CLOCK_SKEW_S" in self.lease_log[dc].read_bytes():
+            self.outcome.faults["clock_refused"] += 1
+        elif not ran:
+            self.outcome.faults["clock_unchecked"] += 1  # failed before it asked (the registry was down), ran nothing
+        else:
+            raise AssertionError(
+                f"seed {self.p.seed}: a lease {offset:+.0f}s off ran (exit {code}): {self.lease_log[dc]}"
+            )
 
     def _last_lease(self, dc: str, proc: subprocess.Popen[bytes] | None) -> None:
         """A lost data center's last lease must die at its crash point, mid-batch: one that failed before it got
@@ -323,9 +379,10 @@ class Nemesis:
                     continue
                 if proc is not None and proc.poll() is not None:
                     self.outcome.joiner_exits[f"{dc}:{proc.returncode}"] += 1
+                    self._skewed_exit(dc, proc.returncode)
                 if proc is None or proc.poll() is not None:
-                    self.joiners[dc] = self._lease(dc)  # Airflow starts the next lease (or retries a dead one)
-                    self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
+                    # Airflow starts the next lease (or retries a dead one)
+                    self._start_lease(dc, self.next_clock.pop(dc, 0.0))
                     continue
                 first = self.first_batch_at[dc]
                 if first is None and b" batch " in self.lease_log[dc].read_bytes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from photon.clock import ServerClock
 from photon.joiner import Joiner, JoinSettings
 
 
@@ -23,7 +24,15 @@ def test_oldest_arrivals_and_recovered_files_first(tmp_path: Path) -> None:
     touch(clicks / "recovered-1795000000000000.jsonl", 900)  # the newest, and it sorts late: still first
     touch(clicks / "1.1.1.1-1-8.jsonl.inprogress", 50)  # not closed: never taken
     settings = JoinSettings(max_click_files=3, parallelism=1)
-    joiner = Joiner("dc-a", tmp_path / "logs", tmp_path / "out", {"main": "dbname=unused"}, None, settings)
+    joiner = Joiner(
+        "dc-a",
+        tmp_path / "logs",
+        tmp_path / "out",
+        {"main": "dbname=unused"},
+        None,
+        settings,
+        clock=ServerClock.assumed(),
+    )
     queries, taken = joiner._new_files()
     assert queries == []
     assert taken == ["recovered-1795000000000000.jsonl", "9.9.9.9-1-1.jsonl", "1.1.1.1-1-5.jsonl"]
@@ -46,7 +55,13 @@ def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sea
     for name, at in (("1.1.1.1-1-1.jsonl", old), ("1.1.1.1-1-2.jsonl", old), ("1.1.1.1-1-3.jsonl", recent)):
         touch(log_path(logs, "dc-a", "clicks", name, at), at // us)
     joiner = Joiner(
-        "dc-a", logs, tmp_path / "out", {"main": "dbname=unused"}, None, JoinSettings(max_click_files=2, parallelism=1)
+        "dc-a",
+        logs,
+        tmp_path / "out",
+        {"main": "dbname=unused"},
+        None,
+        JoinSettings(max_click_files=2, parallelism=1),
+        clock=ServerClock.assumed(),
     )
     _, taken = joiner._new_files()
     assert taken == [f"{partition_of(old)}/1.1.1.1-1-1.jsonl", f"{partition_of(old)}/1.1.1.1-1-2.jsonl"]
