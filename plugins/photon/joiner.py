@@ -570,10 +570,10 @@ class Joiner:
         assert lease is not None
         return lease
 
-    def _start(self, unless_live_within_s: float | None) -> Lease | None:
+    def _start(self, unless_live_within_s: float | None, overdue_after_s: float | None = None) -> Lease | None:
         """A new lease, then recovery and state; None (nothing done) if ``unless_live_within_s`` is given and a live
-        lease holds the pipeline."""
-        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s)
+        lease holds the pipeline (one that started more than ``overdue_after_s`` ago is fenced all the same)."""
+        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s, overdue_after_s=overdue_after_s)
         if lease is None:
             return None
         self.lease = lease
@@ -648,11 +648,12 @@ class Joiner:
     def take_over(self, *, stale_s: float, timeout_s: float) -> str:
         """Wait for the pipeline's current lease to end (released, or stale), then start this lease at once; a
         lease that started more than ``timeout_s`` ago and holds on is fenced. Returns why the pipeline was free.
-        Two standbys never fence each other: the lease starts only if no live lease holds the pipeline at that
-        moment, and the one that lost the race waits for the winner's whole term."""
+        Two standbys never fence each other: the lease starts only if, at that moment and by the server's clock, no
+        live lease holds the pipeline or the one that does is still overdue (``PipelineState.start_lease``); the
+        standby that lost the race finds the winner's fresh lease and waits for its whole term."""
         while True:
             why = self.state.wait_for_turn(stale_s=stale_s, timeout_s=timeout_s)
-            if self._start(None if why == "timeout" else stale_s) is not None:
+            if self._start(stale_s, timeout_s if why == "timeout" else None) is not None:
                 return why
 
     def release(self) -> None:
