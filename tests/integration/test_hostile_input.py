@@ -366,13 +366,28 @@ def test_a_click_whose_stored_query_no_longer_reads_back_is_unjoinable_with_that
     """The query logs were removed before the registry's retention ran out (EVENTS.md asks to keep them that long):
     the EventStore indexed the query, but its line is gone. The click is not silently lost, nor is it told its query
     never came: it is unjoinable with the reason that names the cause. A click whose query was never stored keeps
-    the ordinary reason."""
+    the ordinary reason. Issue 19: a query log re-shipped under its name with its lines in another order made the
+    lookup raise IndexError, failing the batch on every lease; its clicks are now unjoinable with the same reason."""
     now = int(time.time() * US)
     task = partition_task(tmp_path, servers, now, 120 * US)
     stored, never = now - 300 * US, now - 301 * US
     store(task, stored)
     (Path(task.logs) / "q-store.jsonl").unlink()
-    counts, _ = join_partition(task, candidates([(now - 200 * US, stored), (now - 199 * US, never)], now), 0)
-    assert counts["unjoinable"] == 2 and counts["joined"] == 0
+    # Two queries of different lengths, indexed, then their file re-shipped with the lines swapped (the later
+    # bucket: its lines are read last, where a slice holding a whole other line ran past the end).
+    short, long = now - 250 * US, now - 250 * US + 1
+    lines = [query_line(short), query_line(long).replace(b'"shoes"', b'"' + b"running shoes " * 8 + b'"')]
+    content = lines[0] + b"\n" + lines[1] + b"\n"
+    good, _, offsets, lengths = parse_file_located("q-reshipped.jsonl", content, "queries")
+    write_index(index_of(good, "q-reshipped.jsonl", offsets, lengths), Path(task.stage) / "eventstore", "r", 10)
+    (Path(task.logs) / "q-reshipped.jsonl").write_bytes(lines[1] + b"\n" + lines[0] + b"\n")
+    clicks = [(now - 200 * US, stored), (now - 199 * US, never), (now - 198 * US, short), (now - 197 * US, long)]
+    counts, _ = join_partition(task, candidates(clicks, now), 0)
+    assert counts["unjoinable"] == 4 and counts["joined"] == 0
     reasons = {r["query_id"]: r["reason"] for r in outputs(task, UNJOINABLE)}
-    assert reasons == {f"10.0.0.2-6-{stored}": REASON_LOG_GONE, f"10.0.0.2-6-{never}": REASON_TOO_LATE}
+    assert reasons == {
+        f"10.0.0.2-6-{stored}": REASON_LOG_GONE,
+        f"10.0.0.2-6-{never}": REASON_TOO_LATE,
+        f"10.0.0.2-6-{short}": REASON_LOG_GONE,
+        f"10.0.0.2-6-{long}": REASON_LOG_GONE,
+    }
