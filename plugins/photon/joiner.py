@@ -69,6 +69,8 @@ from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
 log = logging.getLogger(__name__)
 US = 1_000_000
 
+SETTLE_S = 5.0  # see JoinSettings.settle_s
+READ_MARKERS = "_read"  # under a batch's stage: per stage-1 task, the files it left for later and the sizes it read
 HOLD_POLL_S = 0.25  # while a lease holds on for a starting standby, how often it asks whether it is ready
 SUCCESSOR_WAIT_S = 1.5  # ...and how long it waits for an answer (the registry answers in milliseconds)
 
@@ -125,6 +127,9 @@ class JoinSettings:
     # An event stamped further ahead of the joiner's clock is decided at the door (a click: unjoinable/, a query:
     # quarantine/), and the registry refuses such ids with the same bound: the maximum clock skew plus a margin.
     max_future_s: float = MAX_FUTURE_S
+    # A closed file that is empty or whose last byte is not a newline is taken only once it has not changed for this
+    # long (a copy still being written, EVENTS.md "Closed files"); a whole file is taken at once.
+    settle_s: float = SETTLE_S
 
 
 @dataclass
@@ -288,6 +293,45 @@ class _Task:
     retry_max_s: float
     adapter: str
     max_future_s: float
+    settle_s: float = SETTLE_S
+
+
+def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple[bytes | None, int, int]:
+    """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
+    modification time moved while it was read, or it is empty or ends without a newline and changed less than
+    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled). The reader's
+    side of EVENTS.md's rule "a closed file is whole and never changes"."""
+    before = os.stat(path)
+    content = path.read_bytes()
+    after = os.stat(path)
+    size, mtime = after.st_size, after.st_mtime_ns
+    if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
+        return None, size, mtime
+    age = (time.time() if now_s is None else now_s) - mtime / 1e9
+    if not content.endswith(b"\n") and age < settle_s:
+        return None, size, mtime
+    return content, size, mtime
+
+
+def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime) read."""
+    path = stage / READ_MARKERS / f"{name}.json"
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"skipped": skipped, "read": read}))
+    os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
+
+
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, int]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime)})."""
+    skipped: set[tuple[str, str]] = set()
+    read: dict[tuple[str, str], tuple[int, int]] = {}
+    folder = stage / READ_MARKERS
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        marker = json.loads(path.read_text())
+        skipped.update((k, n) for k, n in marker["skipped"])
+        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): (sz, mt) for k, (sz, mt) in marker["read"].items()})
+    return skipped, read
 
 
 def _source_task(
@@ -306,13 +350,23 @@ def _source_task(
         stage = Path(t.stage)
         stored: list[pa.Table] = []
         first = None
+        skipped: list[list[str]] = []
+        read: dict[str, list[int]] = {}
+        marker_name = ""
         for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
             path = Path(path_s)
             if kind == "retries":
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
-            content = path.read_bytes()
+            marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
+            whole, size, mtime = read_whole(path, t.settle_s)
+            if whole is None:  # still being written: not consumed now, listed and read again by a later batch
+                log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
+                skipped.append([kind, rel])
+                continue
+            read[f"{kind}/{rel}"] = [size, mtime]
+            content = whole
             try:
                 good, bad, offsets, lengths = parse_file_located(rel, content, kind)
             except Exception as exc:  # a parser bug must cost one file, never the pipeline
@@ -352,6 +406,8 @@ def _source_task(
                 ).to_batches()
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
             write_index(pa.concat_tables(stored), stage / "eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+        if read or skipped:
+            _write_read_marker(stage, marker_name, skipped, read)
 
     return run
 
@@ -561,6 +617,10 @@ class Joiner:
         self._next_marks: dict[str, str | None] = dict(self.marks)
         self.retry_dir: Path | None = None
         self._first_ts: dict[Path, int] = {}
+        # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
+        # reported once (``_changed``, quarantined by the next batch), never silently left half read.
+        self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._changed: list[dict[str, Any]] = []
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -738,7 +798,7 @@ class Joiner:
             q_files, c_files = self._new_files()
             pending, due = self._retry_counts()
             ran = False
-            if q_files or c_files:
+            if q_files or c_files or self._changed:
                 retried_since_files = False
                 ran = True
             elif due and (drain or not until_caught_up or not retried_since_files):
@@ -830,6 +890,7 @@ class Joiner:
             new = []
             for f in list_closed(folder, self.marks[kind]):
                 if (kind, f.rel) in self.consumed:
+                    self._check_consumed(kind, folder, f.rel)
                     continue
                 try:
                     arrived = os.stat(folder / f.rel).st_mtime_ns
@@ -847,6 +908,35 @@ class Joiner:
             return chosen
 
         return listing("queries", None), listing("clicks", self.s.max_click_files)
+
+    def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
+        """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
+        at a line's end, a replica re-shipped), say so once: a logged error now, and a quarantine record naming the
+        file and the bytes never read, written by the next batch."""
+        seen = self._read_sizes.get((kind, rel))
+        if seen is None:
+            return
+        try:
+            st = os.stat(folder / rel)
+        except FileNotFoundError:
+            return
+        if (st.st_size, st.st_mtime_ns) == seen:
+            return
+        del self._read_sizes[(kind, rel)]  # reported once
+        size = seen[0]
+        if st.st_size > size:
+            with open(folder / rel, "rb") as fh:
+                fh.seek(size)
+                raw = fh.read(RAW_CAP_BYTES)
+            what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
+        else:
+            raw = b""
+            what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
+        reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
+        log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)
+        self._changed.append(
+            {"kind": kind, "file": rel, "line": 0, "raw": raw, "raw_bytes": max(0, st.st_size - size), "reason": reason}
+        )
 
     def _behind_marks(self, path: Path) -> bool:
         """A log file in a partition behind its kind's mark: it is never listed again."""
@@ -896,6 +986,7 @@ class Joiner:
             retry_max_s=self.s.retry_max_s,
             adapter=self.s.adapter,
             max_future_s=self.s.max_future_s,
+            settle_s=self.s.settle_s,
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
@@ -939,6 +1030,8 @@ class Joiner:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
+        skipped, read = read_markers(Path(t.stage))
+        changed = self._quarantine_changed(Path(t.stage), tag, now)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
         metrics["queries"] = index_rows(Path(t.stage) / "eventstore")
@@ -949,14 +1042,19 @@ class Joiner:
 
         # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
+        files = [f for f in files if f not in skipped]  # still being written: listed and read again later
         _maybe_crash("before_commit", k, k - lease.last_batch)
         # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
-        marks = dict(self._next_marks)
+        marks = _marks_before(dict(self._next_marks), skipped)
+        if skipped:
+            log.info("%s batch %d: %d file(s) still being written, left for later", self.pipeline, k, len(skipped))
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
+        self._read_sizes.update({f: read[f] for f in files if f in read})
+        del self._changed[:changed]
         if marks != self.marks:  # forget what is behind the marks: it is never listed again
             self.marks = marks
             self.consumed = {
@@ -965,15 +1063,39 @@ class Joiner:
                 if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
             }
             self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
+            self._read_sizes = {f: v for f, v in self._read_sizes.items() if f in self.consumed}
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
         log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
         return BatchResult(k, metrics)
 
+    def _quarantine_changed(self, stage: Path, tag: str, now: int) -> int:
+        """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
+        from photon.eventstore import atomic_write
+
+        n = len(self._changed)
+        for kind in ("queries", "clicks"):
+            rows = [{k: v for k, v in r.items() if k != "kind"} for r in self._changed[:n] if r["kind"] == kind]
+            if rows:
+                bad = pa.Table.from_pylist(rows, schema=BAD_FIELDS)
+                atomic_write(
+                    _quarantine(bad, self.pipeline, kind, now), stage / QUARANTINE / f"{tag}-changed-{kind}.parquet"
+                )
+        return n
+
     def _publish(self, k: int, epoch: int) -> None:
         publish_files(self.root, batch_tag(k, epoch))
         self.state.mark_published(k)
+
+
+def _marks_before(marks: dict[str, str | None], skipped: set[tuple[str, str]]) -> dict[str, str | None]:
+    """Listing marks that stay at or before every partition holding a file left for later, so it is listed again."""
+    for kind, name in skipped:
+        part, mark = part_of_name(name), marks.get(kind)
+        if part is not None and mark is not None and part < mark:
+            marks[kind] = part
+    return marks
 
 
 def _size(path: str) -> int:

@@ -391,3 +391,76 @@ def test_a_click_whose_stored_query_no_longer_reads_back_is_unjoinable_with_that
         f"10.0.0.2-6-{short}": REASON_LOG_GONE,
         f"10.0.0.2-6-{long}": REASON_LOG_GONE,
     }
+
+
+def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_reported(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """Issue 19: a click file copied into the current partition non-atomically (a slow ``cp``, a ``mv`` across
+    filesystems) was read half-written: its torn last line quarantined and the file recorded consumed, the rest of its
+    clicks never read. Now a file still changing is left for a later batch, and every click is joined, nothing
+    quarantined. A consumed file that changes after (appended in place) is not silent: a quarantine record names the
+    file and the bytes never read."""
+    import itertools
+    import threading
+
+    from photon.joiner import Joiner, JoinSettings
+    from photon.layout import log_path
+    from tests.integration.test_joiner import joined_ids
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time() * US)
+    qts = [now - 30 * US + i for i in range(40)]
+    queries = log_path(logs, "dc-a", "queries", "10.0.0.2-6-1.jsonl", now)
+    queries.parent.mkdir(parents=True)
+    queries.write_bytes(b"".join(query_line(t) + b"\n" for t in qts))  # whole, as a shipper renames it
+    clicks = [
+        json.dumps({"click_id": f"10.0.0.1-5-{t + 5 * US}", "ts_us": t + 5 * US, "query_id": f"10.0.0.2-6-{t}"})
+        .replace("}", ', "ad_id": "a1"}')
+        .encode()
+        for t in qts
+    ]
+    body = b"".join(c + b"\n" for c in clicks)
+    target = log_path(logs, "dc-a", "clicks", "10.0.0.1-5-1.jsonl", int(time.time() * US))
+    target.parent.mkdir(parents=True)
+    (logs / "dc-a" / "clicks").mkdir(exist_ok=True)
+    j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=2, trigger_interval_s=0.2))
+    errors: list[BaseException] = []
+    batches: list[float] = []
+    j.run(max_batches=1)  # the query file, and a warm session: the batches below take a fraction of a second
+
+    def run() -> None:
+        try:
+            j.run(run_for_s=7, on_batch=lambda _: batches.append(time.monotonic()))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    copy_started = time.monotonic()
+    cuts = [0, len(body) // 5 + 7, len(body) // 2 + 3, 4 * len(body) // 5 + 1, len(body)]
+    with open(target, "wb") as fh:  # as a slow cp: pieces ending mid-line, with pauses the joiner triggers in
+        for a, b in itertools.pairwise(cuts):
+            assert body[b - 1 : b] != b"\n" or b == len(body)
+            fh.write(body[a:b])
+            fh.flush()
+            time.sleep(1.0)
+    copy_ended = time.monotonic()
+    thread.join(timeout=120)
+    assert not errors, errors
+    assert any(copy_started < t < copy_ended for t in batches)  # batches ran while the file was half-written
+    j.run(until_caught_up=True, drain=True)
+    assert sorted(joined_ids(out)) == sorted(f"10.0.0.1-5-{t + 5 * US}" for t in qts)
+    assert not list(out.glob("dc-a/quarantine/*.parquet"))
+
+    # Appended in place after it was consumed: the bytes never read are reported, once, with the file's name.
+    with open(target, "ab") as fh:
+        fh.write(clicks[0] + b"\n")
+    j.run(until_caught_up=True, max_batches=3)
+    j.run(until_caught_up=True, max_batches=3)
+    j.release()
+    (record,) = [r for p in out.glob("dc-a/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    assert record["file"] == target.relative_to(logs / "dc-a" / "clicks").as_posix()
+    assert record["raw"] == clicks[0] + b"\n" and record["raw_bytes"] == len(clicks[0]) + 1
+    assert f"bytes {len(body)}..{len(body) + len(clicks[0]) + 1} never read" in record["reason"]
