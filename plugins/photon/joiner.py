@@ -296,14 +296,30 @@ class _Task:
     settle_s: float = SETTLE_S
 
 
+def settled(path: Path, st: os.stat_result, settle_s: float) -> bool:
+    """Whether a closed file listed with ``st`` may be read now: it ends with a newline, or it has not changed for
+    ``settle_s`` (by this host's clock against the file's modification time). Empty or torn-tailed and younger than
+    that, it is probably a copy still being written (EVENTS.md, "Closed files")."""
+    if time.time() - st.st_mtime_ns / 1e9 >= settle_s:
+        return True
+    if st.st_size == 0:
+        return False
+    with open(path, "rb") as fh:
+        return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
+
+
 def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple[bytes | None, int, int]:
     """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
     modification time moved while it was read, or it is empty or ends without a newline and changed less than
-    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled). The reader's
-    side of EVENTS.md's rule "a closed file is whole and never changes"."""
-    before = os.stat(path)
-    content = path.read_bytes()
-    after = os.stat(path)
+    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled), or it is gone
+    (moved away since it was listed: listed again wherever it lands). The reader's side of EVENTS.md's rule "a closed
+    file is whole and never changes"; the driver's listing checks the same before a batch (``settled``)."""
+    try:
+        before = os.stat(path)
+        content = path.read_bytes()
+        after = os.stat(path)
+    except FileNotFoundError:
+        return None, 0, 0
     size, mtime = after.st_size, after.st_mtime_ns
     if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
         return None, size, mtime
@@ -887,20 +903,24 @@ class Joiner:
 
         def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
-            new = []
+            new, settling = [], []
             for f in list_closed(folder, self.marks[kind]):
                 if (kind, f.rel) in self.consumed:
                     self._check_consumed(kind, folder, f.rel)
                     continue
                 try:
-                    arrived = os.stat(folder / f.rel).st_mtime_ns
+                    st = os.stat(folder / f.rel)
+                    if not settled(folder / f.rel, st, self.s.settle_s):
+                        settling.append(f.rel)  # a copy still being written: no batch for it yet
+                        continue
                 except FileNotFoundError:
                     continue
-                new.append((not f.name.startswith(RECOVERED_PREFIX), arrived, f.rel))
+                new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
             chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
             chosen = chosen[:cap] if cap is not None else chosen
             taken = set(chosen)
             left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
+            left += [p for n in settling if (p := part_of_name(n)) is not None]
             mark = min([*left, sealed])
             # Never back: the lease before found everything behind its mark sealed and consumed, and this lease
             # loaded no consumed-file record from there (a host whose clock is behind would list it again).
