@@ -461,3 +461,28 @@ def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_repor
     assert record["file"] == target.relative_to(logs / "dc-a" / "clicks").as_posix()
     assert record["raw"] == clicks[0] + b"\n" and record["raw_bytes"] == len(clicks[0]) + 1
     assert f"bytes {len(body)}..{len(body) + len(clicks[0]) + 1} never read" in record["reason"]
+
+
+def test_a_file_the_task_finds_still_changing_is_not_consumed_by_its_batch(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """The task's own check, for a file that changed between the listing and the read (here: listed by hand, torn
+    and fresh): the task leaves it, writes its marker, and the batch commits without it, so it is read again."""
+    from photon.joiner import Joiner, JoinSettings
+    from photon.layout import log_path
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time() * US)
+    torn = log_path(logs, "dc-a", "clicks", "10.0.0.1-5-1.jsonl", now)
+    torn.parent.mkdir(parents=True)
+    click = {"click_id": f"10.0.0.1-5-{now}", "ts_us": now, "query_id": f"10.0.0.2-6-{now - US}", "ad_id": "a1"}
+    torn.write_bytes(json.dumps(click).encode() + b"\n" + json.dumps(click).encode()[:20])  # a copy half-way
+    (logs / "dc-a" / "queries").mkdir(parents=True)
+    j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=1, settle_s=60))  # a cold job takes 6 s
+    j.start()
+    rel = torn.relative_to(logs / "dc-a" / "clicks").as_posix()
+    result = j.run_batch(1, [], [rel])
+    assert result.metrics["clicks"] == 0 and result.metrics["quarantined"] == 0, result.metrics
+    assert ("clicks", rel) not in j.consumed and ("clicks", rel) not in j.state.consumed()
+    assert j.marks["clicks"] is None or j.marks["clicks"] <= rel.rpartition("/")[0]  # listed again
+    j.release()

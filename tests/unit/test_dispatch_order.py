@@ -94,3 +94,9 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     assert read_whole(torn, 5.0, now_s=time.time() + 6)[0] == b'{"a": 1}\n{"a"'
     assert read_whole(whole, 5.0)[0] == b'{"a": 1}\n'
     assert read_whole(clicks / "gone.jsonl", 5.0)[0] is None
+    # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
+    from photon.joiner import _marks_before
+
+    marks = _marks_before({"clicks": new_part, "queries": None}, {("clicks", f"{old_part}/torn.jsonl")})
+    assert marks == {"clicks": old_part, "queries": None}
+    assert _marks_before({"clicks": old_part}, {("clicks", f"{new_part}/x.jsonl")}) == {"clicks": old_part}
