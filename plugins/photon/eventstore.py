@@ -188,7 +188,7 @@ class EventStoreCache:
             try:
                 with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     for i, o, ln in zip(at.tolist(), offsets[at].tolist(), lengths[at].tolist(), strict=True):
-                        lines[i] = mm[o : o + ln]
+                        lines[i] = _indexed_line(mm, o, ln)
             except (OSError, ValueError) as exc:  # gone, or emptied (mmap refuses an empty file)
                 log.error("EventStore: %d quer(ies) indexed in %s cannot be read back: %s", len(at), path, exc)
                 unread += len(at)
@@ -199,7 +199,11 @@ class EventStoreCache:
         good, _, starts, _ = parse_file_located("eventstore", buffer, "queries")
         line_starts = np.cumsum([0] + [len(line) + 1 for line in lines[:-1]], dtype=np.int64)
         row_of_line = np.full(n, -1, np.int64)
-        row_of_line[np.searchsorted(line_starts, starts)] = np.arange(good.num_rows)
+        # An event counts only where it starts exactly at one of the slices (``_indexed_line`` keeps newlines out of
+        # them, so this is a guard, not the rule: an event starting inside a slice must never shift another's row).
+        at_line = np.minimum(np.searchsorted(line_starts, starts), n - 1)
+        exact = line_starts[at_line] == starts
+        row_of_line[at_line[exact]] = np.flatnonzero(exact)
         ok = row_of_line >= 0
         got = good.take(pa.array(np.maximum(row_of_line, 0))) if good.num_rows else _nulls(n)
         if good.num_rows:
@@ -244,6 +248,14 @@ class EventStoreCache:
 
     def rows(self) -> int:
         return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
+
+
+def _indexed_line(mm: mmap.mmap, offset: int, length: int) -> bytes:
+    """The bytes an index row names, or ``b""`` (a blank line: parsed as no event, so a miss) where they can no longer
+    be one line: the file was truncated or rewritten, and the slice ends early or holds a newline and part of another
+    line (a replica re-shipped with its lines in another order)."""
+    raw = mm[offset : offset + length]
+    return raw if len(raw) == length and b"\n" not in raw else b""
 
 
 def _first_rows(pool_ids: pa.ChunkedArray, wanted: pa.Array, query_ids: pa.Array) -> np.ndarray:

@@ -70,6 +70,8 @@ from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US, t
 log = logging.getLogger(__name__)
 US = 1_000_000
 
+SETTLE_S = 5.0  # see JoinSettings.settle_s
+READ_MARKERS = "_read"  # under a batch's stage: per stage-1 task, the files it left for later and the sizes it read
 HOLD_POLL_S = 0.25  # while a lease holds on for a starting standby, how often it asks whether it is ready
 SUCCESSOR_WAIT_S = 1.5  # ...and how long it waits for an answer (the registry answers in milliseconds)
 
@@ -133,6 +135,10 @@ class JoinSettings:
     @property
     def seal_s(self) -> float:
         return time_bound_s(self.max_clock_skew_s)
+
+    # A closed file that is empty or whose last byte is not a newline is taken only once it has not changed for this
+    # long (a copy still being written, EVENTS.md "Closed files"); a whole file is taken at once.
+    settle_s: float = SETTLE_S
 
 
 @dataclass
@@ -304,6 +310,61 @@ class _Task:
     max_future_s: float
     max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
     clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
+    settle_s: float = SETTLE_S
+
+
+def settled(path: Path, st: os.stat_result, settle_s: float) -> bool:
+    """Whether a closed file listed with ``st`` may be read now: it ends with a newline, or it has not changed for
+    ``settle_s`` (by this host's clock against the file's modification time). Empty or torn-tailed and younger than
+    that, it is probably a copy still being written (EVENTS.md, "Closed files")."""
+    if time.time() - st.st_mtime_ns / 1e9 >= settle_s:
+        return True
+    if st.st_size == 0:
+        return False
+    with open(path, "rb") as fh:
+        return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
+
+
+def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple[bytes | None, int, int]:
+    """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
+    modification time moved while it was read, or it is empty or ends without a newline and changed less than
+    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled), or it is gone
+    (moved away since it was listed: listed again wherever it lands). The reader's side of EVENTS.md's rule "a closed
+    file is whole and never changes"; the driver's listing checks the same before a batch (``settled``)."""
+    try:
+        before = os.stat(path)
+        content = path.read_bytes()
+        after = os.stat(path)
+    except FileNotFoundError:
+        return None, 0, 0
+    size, mtime = after.st_size, after.st_mtime_ns
+    if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
+        return None, size, mtime
+    age = (time.time() if now_s is None else now_s) - mtime / 1e9
+    if not content.endswith(b"\n") and age < settle_s:
+        return None, size, mtime
+    return content, size, mtime
+
+
+def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime) read."""
+    path = stage / READ_MARKERS / f"{name}.json"
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"skipped": skipped, "read": read}))
+    os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
+
+
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, int]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime)})."""
+    skipped: set[tuple[str, str]] = set()
+    read: dict[tuple[str, str], tuple[int, int]] = {}
+    folder = stage / READ_MARKERS
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        marker = json.loads(path.read_text())
+        skipped.update((k, n) for k, n in marker["skipped"])
+        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): (sz, mt) for k, (sz, mt) in marker["read"].items()})
+    return skipped, read
 
 
 def _source_task(
@@ -322,13 +383,23 @@ def _source_task(
         stage = Path(t.stage)
         stored: list[pa.Table] = []
         first = None
+        skipped: list[list[str]] = []
+        read: dict[str, list[int]] = {}
+        marker_name = ""
         for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
             path = Path(path_s)
             if kind == "retries":
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
-            content = path.read_bytes()
+            marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
+            whole, size, mtime = read_whole(path, t.settle_s)
+            if whole is None:  # still being written: not consumed now, listed and read again by a later batch
+                log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
+                skipped.append([kind, rel])
+                continue
+            read[f"{kind}/{rel}"] = [size, mtime]
+            content = whole
             try:
                 good, bad, offsets, lengths = parse_file_located(rel, content, kind)
             except Exception as exc:  # a parser bug must cost one file, never the pipeline
@@ -368,6 +439,8 @@ def _source_task(
                 ).to_batches()
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
             write_index(pa.concat_tables(stored), stage / "eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+        if read or skipped:
+            _write_read_marker(stage, marker_name, skipped, read)
 
     return run
 
@@ -581,6 +654,10 @@ class Joiner:
         self._next_marks: dict[str, str | None] = dict(self.marks)
         self.retry_dir: Path | None = None
         self._first_ts: dict[Path, int] = {}
+        # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
+        # reported once (``_changed``, quarantined by the next batch), never silently left half read.
+        self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._changed: list[dict[str, Any]] = []
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -590,12 +667,12 @@ class Joiner:
         assert lease is not None
         return lease
 
-    def _start(self, unless_live_within_s: float | None) -> Lease | None:
+    def _start(self, unless_live_within_s: float | None, overdue_after_s: float | None = None) -> Lease | None:
         """A new lease, then recovery and state; None (nothing done) if ``unless_live_within_s`` is given and a live
-        lease holds the pipeline."""
+        lease holds the pipeline (one that started more than ``overdue_after_s`` ago is fenced all the same)."""
         self.clock.measure()  # a host whose clock is off more than the skew takes no lease (ClockSkewError)
         self.clock.check()
-        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s)
+        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s, overdue_after_s=overdue_after_s)
         if lease is None:
             return None
         self.lease = lease
@@ -670,11 +747,12 @@ class Joiner:
     def take_over(self, *, stale_s: float, timeout_s: float) -> str:
         """Wait for the pipeline's current lease to end (released, or stale), then start this lease at once; a
         lease that started more than ``timeout_s`` ago and holds on is fenced. Returns why the pipeline was free.
-        Two standbys never fence each other: the lease starts only if no live lease holds the pipeline at that
-        moment, and the one that lost the race waits for the winner's whole term."""
+        Two standbys never fence each other: the lease starts only if, at that moment and by the server's clock, no
+        live lease holds the pipeline or the one that does is still overdue (``PipelineState.start_lease``); the
+        standby that lost the race finds the winner's fresh lease and waits for its whole term."""
         while True:
             why = self.state.wait_for_turn(stale_s=stale_s, timeout_s=timeout_s)
-            if self._start(None if why == "timeout" else stale_s) is not None:
+            if self._start(stale_s, timeout_s if why == "timeout" else None) is not None:
                 return why
 
     def release(self) -> None:
@@ -768,7 +846,7 @@ class Joiner:
             q_files, c_files = self._new_files()
             pending, due = self._retry_counts()
             ran = False
-            if q_files or c_files:
+            if q_files or c_files or self._changed:
                 retried_since_files = False
                 ran = True
             elif due and (drain or not until_caught_up or not retried_since_files):
@@ -878,19 +956,24 @@ class Joiner:
 
         def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
-            new = []
+            new, settling = [], []
             for f in list_closed(folder, self.marks[kind]):
                 if (kind, f.rel) in self.consumed:
+                    self._check_consumed(kind, folder, f.rel)
                     continue
                 try:
-                    arrived = os.stat(folder / f.rel).st_mtime_ns
+                    st = os.stat(folder / f.rel)
+                    if not settled(folder / f.rel, st, self.s.settle_s):
+                        settling.append(f.rel)  # a copy still being written: no batch for it yet
+                        continue
                 except FileNotFoundError:
                     continue
-                new.append((not f.name.startswith(RECOVERED_PREFIX), arrived, f.rel))
+                new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
             chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
             chosen = chosen[:cap] if cap is not None else chosen
             taken = set(chosen)
             left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
+            left += [p for n in settling if (p := part_of_name(n)) is not None]
             mark = min([*left, sealed])
             # Never back: the lease before found everything behind its mark sealed and consumed, and this lease
             # loaded no consumed-file record from there (a host whose clock is behind would list it again).
@@ -898,6 +981,35 @@ class Joiner:
             return chosen
 
         return listing("queries", None), listing("clicks", self.s.max_click_files)
+
+    def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
+        """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
+        at a line's end, a replica re-shipped), say so once: a logged error now, and a quarantine record naming the
+        file and the bytes never read, written by the next batch."""
+        seen = self._read_sizes.get((kind, rel))
+        if seen is None:
+            return
+        try:
+            st = os.stat(folder / rel)
+        except FileNotFoundError:
+            return
+        if (st.st_size, st.st_mtime_ns) == seen:
+            return
+        del self._read_sizes[(kind, rel)]  # reported once
+        size = seen[0]
+        if st.st_size > size:
+            with open(folder / rel, "rb") as fh:
+                fh.seek(size)
+                raw = fh.read(RAW_CAP_BYTES)
+            what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
+        else:
+            raw = b""
+            what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
+        reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
+        log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)
+        self._changed.append(
+            {"kind": kind, "file": rel, "line": 0, "raw": raw, "raw_bytes": max(0, st.st_size - size), "reason": reason}
+        )
 
     def _behind_marks(self, path: Path) -> bool:
         """A log file in a partition behind its kind's mark: it is never listed again."""
@@ -949,6 +1061,7 @@ class Joiner:
             max_future_s=self.s.max_future_s,
             max_clock_skew_us=int(self.s.max_clock_skew_s * US),
             clock_offset_us=self.clock.offset.offset_us,
+            settle_s=self.s.settle_s,
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
@@ -992,6 +1105,8 @@ class Joiner:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
+        skipped, read = read_markers(Path(t.stage))
+        changed = self._quarantine_changed(Path(t.stage), tag, now)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
         metrics["queries"] = index_rows(Path(t.stage) / "eventstore")
@@ -1002,14 +1117,19 @@ class Joiner:
 
         # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
         files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
+        files = [f for f in files if f not in skipped]  # still being written: listed and read again later
         _maybe_crash("before_commit", k, k - lease.last_batch)
         # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
-        marks = dict(self._next_marks)
+        marks = _marks_before(dict(self._next_marks), skipped)
+        if skipped:
+            log.info("%s batch %d: %d file(s) still being written, left for later", self.pipeline, k, len(skipped))
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
         self._publish(k, lease.epoch)
         self.consumed.update(files)
+        self._read_sizes.update({f: read[f] for f in files if f in read})
+        del self._changed[:changed]
         if marks != self.marks:  # forget what is behind the marks: it is never listed again
             self.marks = marks
             self.consumed = {
@@ -1018,15 +1138,39 @@ class Joiner:
                 if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
             }
             self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
+            self._read_sizes = {f: v for f, v in self._read_sizes.items() if f in self.consumed}
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
         log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
         return BatchResult(k, metrics)
 
+    def _quarantine_changed(self, stage: Path, tag: str, now: int) -> int:
+        """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
+        from photon.eventstore import atomic_write
+
+        n = len(self._changed)
+        for kind in ("queries", "clicks"):
+            rows = [{k: v for k, v in r.items() if k != "kind"} for r in self._changed[:n] if r["kind"] == kind]
+            if rows:
+                bad = pa.Table.from_pylist(rows, schema=BAD_FIELDS)
+                atomic_write(
+                    _quarantine(bad, self.pipeline, kind, now), stage / QUARANTINE / f"{tag}-changed-{kind}.parquet"
+                )
+        return n
+
     def _publish(self, k: int, epoch: int) -> None:
         publish_files(self.root, batch_tag(k, epoch))
         self.state.mark_published(k)
+
+
+def _marks_before(marks: dict[str, str | None], skipped: set[tuple[str, str]]) -> dict[str, str | None]:
+    """Listing marks that stay at or before every partition holding a file left for later, so it is listed again."""
+    for kind, name in skipped:
+        part, mark = part_of_name(name), marks.get(kind)
+        if part is not None and mark is not None and part < mark:
+            marks[kind] = part
+    return marks
 
 
 def _size(path: str) -> int:

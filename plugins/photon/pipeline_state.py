@@ -81,10 +81,15 @@ class PipelineState:
         self.dsn = main_dsn
         self.pipeline = pipeline
 
-    def start_lease(self, *, unless_live_within_s: float | None = None) -> Lease | None:
+    def start_lease(
+        self, *, unless_live_within_s: float | None = None, overdue_after_s: float | None = None
+    ) -> Lease | None:
         """Take a new epoch (fencing the lease before). With ``unless_live_within_s``, only if no lease holds the
         pipeline with a heartbeat that recent (a standby must not fence the lease another standby just took):
-        None if one does."""
+        None if one does. With ``overdue_after_s`` too, a live lease that started longer ago than that is fenced
+        all the same (it holds on past its term), but never one that started since: two standbys that both found
+        one lease overdue fence it once, and the second finds the first one's fresh lease and waits for its term.
+        Both decided by the server's clock, under the pipeline's lock."""
         holder = holder_name()
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
@@ -92,8 +97,9 @@ class PipelineState:
                 cur.execute("SELECT pg_advisory_xact_lock(hashtext('photon.pipeline.' || %s))", (self.pipeline,))
                 cur.execute(
                     "SELECT lease_owner IS NOT NULL AND now() - heartbeat_at <= make_interval(secs => %s)"
+                    " AND (%s::float8 IS NULL OR now() - lease_started_at <= make_interval(secs => %s))"
                     " FROM photon.pipelines WHERE pipeline = %s",
-                    (unless_live_within_s or 0.0, self.pipeline),
+                    (unless_live_within_s or 0.0, overdue_after_s, overdue_after_s or 0.0, self.pipeline),
                 )
                 row = cur.fetchone()
                 if row is not None and unless_live_within_s is not None and row[0]:

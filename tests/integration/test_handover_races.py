@@ -120,3 +120,60 @@ def test_a_lease_whose_clock_is_behind_never_moves_the_listing_mark_back(
     assert marks == sorted(marks), marks  # never back
     ids = [r["click_id"] for p in (out / "dc-a" / "unjoinable").glob("*.parquet") for r in pq.read_table(p).to_pylist()]
     assert len(ids) == len(set(ids)) == 2
+
+
+def test_two_standbys_that_time_out_on_one_stuck_lease_fence_it_once(
+    tmp_path: Path, servers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19: two standbys that both found one live lease overdue both started a lease when the wait returned
+    ``timeout``, so the second fenced the first (one wasted batch, against ``take_over``'s promise). Each standby's
+    real wait is held at a barrier after it returns, so both have found the stuck lease overdue before either
+    starts: the race, every time. Now exactly one fences the stuck lease; the other waits for the winner's term."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    (logs / "dc-a" / "clicks").mkdir(parents=True)
+    settings = JoinSettings(parallelism=1, heartbeat_s=0.5)
+    stuck = Joiner("dc-a", logs, out, servers, None, settings)
+    stop_stuck = threading.Event()
+    lease_stuck = stuck.start()
+    thread_stuck = beating(stuck, lease_stuck, 0.5, stop_stuck)  # alive, and never lets go
+    standbys = [Joiner("dc-a", logs, out, servers, None, settings) for _ in range(2)]
+    both_waited = threading.Barrier(2, timeout=20)
+    for s in standbys:
+        wait = s.state.wait_for_turn
+
+        def wait_then_meet(wait: Any = wait, met: list[bool] = [], **kw: float) -> str:  # noqa: B006 (per standby)
+            why = wait(**kw)
+            if why == "timeout" and not met:  # the first time only: the loser's later waits run free
+                met.append(True)
+                both_waited.wait()
+            return why
+
+        monkeypatch.setattr(s.state, "wait_for_turn", wait_then_meet)
+    took: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: took.update({i: standbys[i].take_over(stale_s=3.0, timeout_s=2.0)}))
+        for i in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 15
+    while not took and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ((x, why),) = took.items()
+    assert why == "timeout"
+    lease_x = standbys[x].lease
+    assert lease_x is not None and lease_x.epoch == lease_stuck.epoch + 1
+    stop_x = threading.Event()
+    thread_x = beating(standbys[x], lease_x, 0.5, stop_x)
+    time.sleep(1.2)  # well within the winner's term of 2 s: the loser must still be waiting
+    standbys[x].state.heartbeat(lease_x)  # raised FencedError before: the loser had fenced the winner
+    assert len(took) == 1
+    stop_x.set()
+    thread_x.join()
+    standbys[x].release()
+    threads[1 - x].join(timeout=10)
+    assert took[1 - x] == "released"  # the loser took over when the winner ended, not before
+    with pytest.raises(FencedError):
+        stuck.state.heartbeat(lease_stuck)
+    stop_stuck.set()
+    thread_stuck.join()

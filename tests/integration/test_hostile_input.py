@@ -366,13 +366,123 @@ def test_a_click_whose_stored_query_no_longer_reads_back_is_unjoinable_with_that
     """The query logs were removed before the registry's retention ran out (EVENTS.md asks to keep them that long):
     the EventStore indexed the query, but its line is gone. The click is not silently lost, nor is it told its query
     never came: it is unjoinable with the reason that names the cause. A click whose query was never stored keeps
-    the ordinary reason."""
+    the ordinary reason. Issue 19: a query log re-shipped under its name with its lines in another order made the
+    lookup raise IndexError, failing the batch on every lease; its clicks are now unjoinable with the same reason."""
     now = int(time.time() * US)
     task = partition_task(tmp_path, servers, now, 120 * US)
     stored, never = now - 300 * US, now - 301 * US
     store(task, stored)
     (Path(task.logs) / "q-store.jsonl").unlink()
-    counts, _ = join_partition(task, candidates([(now - 200 * US, stored), (now - 199 * US, never)], now), 0)
-    assert counts["unjoinable"] == 2 and counts["joined"] == 0
+    # Two queries of different lengths, indexed, then their file re-shipped with the lines swapped (the later
+    # bucket: its lines are read last, where a slice holding a whole other line ran past the end).
+    short, long = now - 250 * US, now - 250 * US + 1
+    lines = [query_line(short), query_line(long).replace(b'"shoes"', b'"' + b"running shoes " * 8 + b'"')]
+    content = lines[0] + b"\n" + lines[1] + b"\n"
+    good, _, offsets, lengths = parse_file_located("q-reshipped.jsonl", content, "queries")
+    write_index(index_of(good, "q-reshipped.jsonl", offsets, lengths), Path(task.stage) / "eventstore", "r", 10)
+    (Path(task.logs) / "q-reshipped.jsonl").write_bytes(lines[1] + b"\n" + lines[0] + b"\n")
+    clicks = [(now - 200 * US, stored), (now - 199 * US, never), (now - 198 * US, short), (now - 197 * US, long)]
+    counts, _ = join_partition(task, candidates(clicks, now), 0)
+    assert counts["unjoinable"] == 4 and counts["joined"] == 0
     reasons = {r["query_id"]: r["reason"] for r in outputs(task, UNJOINABLE)}
-    assert reasons == {f"10.0.0.2-6-{stored}": REASON_LOG_GONE, f"10.0.0.2-6-{never}": REASON_TOO_LATE}
+    assert reasons == {
+        f"10.0.0.2-6-{stored}": REASON_LOG_GONE,
+        f"10.0.0.2-6-{never}": REASON_TOO_LATE,
+        f"10.0.0.2-6-{short}": REASON_LOG_GONE,
+        f"10.0.0.2-6-{long}": REASON_LOG_GONE,
+    }
+
+
+def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_reported(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """Issue 19: a click file copied into the current partition non-atomically (a slow ``cp``, a ``mv`` across
+    filesystems) was read half-written: its torn last line quarantined and the file recorded consumed, the rest of its
+    clicks never read. Now a file still changing is left for a later batch, and every click is joined, nothing
+    quarantined. A consumed file that changes after (appended in place) is not silent: a quarantine record names the
+    file and the bytes never read."""
+    import itertools
+    import threading
+
+    from photon.joiner import Joiner, JoinSettings
+    from photon.layout import log_path
+    from tests.integration.test_joiner import joined_ids
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time() * US)
+    qts = [now - 30 * US + i for i in range(40)]
+    queries = log_path(logs, "dc-a", "queries", "10.0.0.2-6-1.jsonl", now)
+    queries.parent.mkdir(parents=True)
+    queries.write_bytes(b"".join(query_line(t) + b"\n" for t in qts))  # whole, as a shipper renames it
+    clicks = [
+        json.dumps({"click_id": f"10.0.0.1-5-{t + 5 * US}", "ts_us": t + 5 * US, "query_id": f"10.0.0.2-6-{t}"})
+        .replace("}", ', "ad_id": "a1"}')
+        .encode()
+        for t in qts
+    ]
+    body = b"".join(c + b"\n" for c in clicks)
+    target = log_path(logs, "dc-a", "clicks", "10.0.0.1-5-1.jsonl", int(time.time() * US))
+    target.parent.mkdir(parents=True)
+    (logs / "dc-a" / "clicks").mkdir(exist_ok=True)
+    j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=2, trigger_interval_s=0.2))
+    errors: list[BaseException] = []
+    j.run(max_batches=1)  # the query file, and a warm session: the batches below take a fraction of a second
+
+    def run() -> None:
+        try:
+            j.run(run_for_s=6)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    cuts = [0, len(body) // 5 + 7, len(body) // 2 + 3, 4 * len(body) // 5 + 1, len(body)]
+    with open(target, "wb") as fh:  # as a slow cp: pieces ending mid-line, with pauses the joiner triggers in
+        for a, b in itertools.pairwise(cuts):
+            assert body[b - 1 : b] != b"\n" or b == len(body)
+            fh.write(body[a:b])
+            fh.flush()
+            time.sleep(1.0)
+    assert thread.is_alive()  # the lease listed the file every 0.2 s while it was half-written
+    thread.join(timeout=120)
+    assert not errors, errors
+    j.run(until_caught_up=True, drain=True)
+    assert sorted(joined_ids(out)) == sorted(f"10.0.0.1-5-{t + 5 * US}" for t in qts)
+    assert not list(out.glob("dc-a/quarantine/*.parquet"))
+
+    # Appended in place after it was consumed: the bytes never read are reported, once, with the file's name.
+    with open(target, "ab") as fh:
+        fh.write(clicks[0] + b"\n")
+    j.run(until_caught_up=True, max_batches=3)
+    j.run(until_caught_up=True, max_batches=3)
+    j.release()
+    (record,) = [r for p in out.glob("dc-a/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    assert record["file"] == target.relative_to(logs / "dc-a" / "clicks").as_posix()
+    assert record["raw"] == clicks[0] + b"\n" and record["raw_bytes"] == len(clicks[0]) + 1
+    assert f"bytes {len(body)}..{len(body) + len(clicks[0]) + 1} never read" in record["reason"]
+
+
+def test_a_file_the_task_finds_still_changing_is_not_consumed_by_its_batch(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """The task's own check, for a file that changed between the listing and the read (here: listed by hand, torn
+    and fresh): the task leaves it, writes its marker, and the batch commits without it, so it is read again."""
+    from photon.joiner import Joiner, JoinSettings
+    from photon.layout import log_path
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time() * US)
+    torn = log_path(logs, "dc-a", "clicks", "10.0.0.1-5-1.jsonl", now)
+    torn.parent.mkdir(parents=True)
+    click = {"click_id": f"10.0.0.1-5-{now}", "ts_us": now, "query_id": f"10.0.0.2-6-{now - US}", "ad_id": "a1"}
+    torn.write_bytes(json.dumps(click).encode() + b"\n" + json.dumps(click).encode()[:20])  # a copy half-way
+    (logs / "dc-a" / "queries").mkdir(parents=True)
+    j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=1, settle_s=60))  # a cold job takes 6 s
+    j.start()
+    rel = torn.relative_to(logs / "dc-a" / "clicks").as_posix()
+    result = j.run_batch(1, [], [rel])
+    assert result.metrics["clicks"] == 0 and result.metrics["quarantined"] == 0, result.metrics
+    assert ("clicks", rel) not in j.consumed and ("clicks", rel) not in j.state.consumed()
+    assert j.marks["clicks"] is None or j.marks["clicks"] <= rel.rpartition("/")[0]  # listed again
+    j.release()

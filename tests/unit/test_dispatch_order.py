@@ -12,7 +12,7 @@ from photon.joiner import Joiner, JoinSettings
 
 def touch(path: Path, arrived_s: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
+    path.write_text("{}\n")  # whole: a fresh empty file is taken for a copy still being written
     os.utime(path, (arrived_s, arrived_s))
 
 
@@ -75,3 +75,43 @@ def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sea
     touch(log_path(logs, "dc-a", "clicks", "recovered-1.jsonl", now), now // us)
     _, taken = joiner._new_files()
     assert [n.rsplit("/", 1)[1] for n in taken] == ["recovered-1.jsonl", "1.1.1.1-1-3.jsonl"]
+
+
+def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_path: Path) -> None:
+    """EVENTS.md's rule for closed files, the reader's side: a fresh file that is empty or ends mid-line (a copy
+    still being written) is not taken, and the listing mark stays at its partition so it is listed again; a fresh
+    file ending with a newline is taken at once (no settle delay for an honest, renamed file); a torn tail that has
+    not changed for ``settle_s`` is taken (a crashed writer's: its last line is quarantined)."""
+    import time
+
+    from photon.joiner import read_whole
+
+    clicks = tmp_path / "logs" / "dc-a" / "clicks"
+    old_part, new_part = "20250101/0000", "20250101/0001"  # sealed long ago: only a waiting file holds the mark
+    whole, torn, empty, settled_torn = (
+        clicks / new_part / "whole.jsonl",
+        clicks / old_part / "torn.jsonl",
+        clicks / new_part / "empty.jsonl",
+        clicks / new_part / "settled.jsonl",
+    )
+    for path, body in ((whole, b'{"a": 1}\n'), (torn, b'{"a": 1}\n{"a"'), (empty, b""), (settled_torn, b'{"a"')):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+    old = time.time() - 10
+    os.utime(settled_torn, (old, old))
+    settings = JoinSettings(settle_s=5.0, parallelism=1)
+    joiner = Joiner("dc-a", tmp_path / "logs", tmp_path / "out", {"main": "dbname=unused"}, None, settings)
+    _, taken = joiner._new_files()
+    assert sorted(taken) == [f"{new_part}/settled.jsonl", f"{new_part}/whole.jsonl"]
+    assert joiner._next_marks["clicks"] == old_part  # torn.jsonl is listed again
+    # The task's own check, for a file that changed between the listing and the read.
+    assert read_whole(torn, 5.0)[0] is None and read_whole(empty, 5.0)[0] is None
+    assert read_whole(torn, 5.0, now_s=time.time() + 6)[0] == b'{"a": 1}\n{"a"'
+    assert read_whole(whole, 5.0)[0] == b'{"a": 1}\n'
+    assert read_whole(clicks / "gone.jsonl", 5.0)[0] is None
+    # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
+    from photon.joiner import _marks_before
+
+    marks = _marks_before({"clicks": new_part, "queries": None}, {("clicks", f"{old_part}/torn.jsonl")})
+    assert marks == {"clicks": old_part, "queries": None}
+    assert _marks_before({"clicks": old_part}, {("clicks", f"{new_part}/x.jsonl")}) == {"clicks": old_part}

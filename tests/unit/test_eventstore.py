@@ -13,6 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from photon.eventstore import EventStoreCache, index_of, write_index
 from photon.parse import QUERY_FIELDS, parse_file_located, parse_query
@@ -168,3 +170,90 @@ def test_a_copy_whose_log_is_gone_does_not_hide_a_later_copy(tmp_path: Path) -> 
     assert found.tolist() == [True, False, False]
     assert q.column("query_text")[0].as_py() == f"second{T0}"
     assert stats.unreadable.tolist() == [False, True, False]  # T0 + 2 was never stored: a plain miss
+
+
+def test_a_query_log_reshipped_with_its_lines_reordered_is_a_logged_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19, reproduced: a replica re-shipped under the same name with its lines in another order. An indexed
+    slice then holds the tail of one line, a newline and another whole line; the lookup raised IndexError (every
+    lease, the click file never consumed). Now: a miss for each query whose line moved, a hit for one that did not."""
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    ts = [T0, T0 + 1, T0 + 2]
+    short, long = line(ts[0], "short"), line(ts[1], "a much longer query text " * 3)
+    log_and_index(logs, store, "20251121/0440/r.jsonl", short + b"\n" + long + b"\n", "b1-q0")
+    store_queries(logs, store, "a-kept", [ts[2]], "mid")  # read before r.jsonl: r's lines come last
+    (logs / "20251121/0440/r.jsonl").write_bytes(long + b"\n" + short + b"\n")  # long's slice now ends in short
+    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+        q, found, stats = EventStoreCache(store, logs, 4).lookup(ids(ts), BUCKET_S)
+    assert found.tolist() == [False, False, True]
+    assert q.column("query_text")[2].as_py() == f"mid{ts[2]}"
+    assert stats.unreadable.tolist() == [True, True, False] and stats.lines_missing == 2
+    assert "did not read back" in caplog.text
+
+
+_REWRITES = ("reorder", "truncate", "append", "replace", "splice", "other", "delete")
+
+
+@st.composite
+def rewritten_log(draw: st.DrawFn) -> tuple[list[bytes], bytes | None]:
+    """An indexed query log's lines, and what the file holds after an arbitrary rewrite under its name (None: gone)."""
+    n = draw(st.integers(1, 6))
+    texts = draw(st.lists(st.text(max_size=40), min_size=n, max_size=n))
+    lines = [line(T0 + i, t) for i, t in enumerate(texts)]
+    content = b"".join(x + b"\n" for x in lines)
+    for how in draw(st.lists(st.sampled_from(_REWRITES), min_size=1, max_size=3)):
+        if how == "delete":
+            return lines, None
+        parts = content.split(b"\n")
+        if how == "reorder":
+            content = b"\n".join(draw(st.permutations(parts)))
+        elif how == "truncate":
+            content = content[: draw(st.integers(0, len(content)))]
+        elif how == "append":
+            content += draw(st.binary(max_size=60) | st.sampled_from(lines))
+        elif how == "replace":  # some bytes overwritten in place, the size unchanged or not
+            at = draw(st.integers(0, len(content)))
+            content = content[:at] + draw(st.binary(max_size=30)) + content[at + draw(st.integers(0, 30)) :]
+        elif how == "splice":  # a line taken out or duplicated
+            i = draw(st.integers(0, len(parts) - 1))
+            parts = parts[:i] + parts[i + 1 :] if draw(st.booleans()) else parts[: i + 1] + parts[i:]
+            content = b"\n".join(parts)
+        else:  # other queries' lines, some of them the same length as the ones indexed
+            others = [line(T0 + 100 + i, t) for i, t in enumerate(texts)]
+            content = b"".join(x + b"\n" for x in draw(st.permutations(others + lines[: draw(st.integers(0, n))])))
+    return lines, content
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=rewritten_log())
+def test_any_rewrite_of_an_indexed_log_is_a_miss_or_the_same_query(
+    tmp_path_factory: pytest.TempPathFactory, case: tuple[list[bytes], bytes | None]
+) -> None:
+    """Whatever happened to an indexed log file (reordered, truncated, appended, bytes overwritten, lines removed or
+    doubled, other queries' lines, deleted): the lookup never raises, and finds a query only where the bytes its index
+    row names still parse as that very query (same id and time), handing out exactly those bytes' fields; a line that
+    is still there unchanged is always found."""
+    lines, content = case
+    tmp = tmp_path_factory.mktemp("rewrite")
+    logs, store, name = tmp / "logs", tmp / "store", "20251121/0440/q.jsonl"
+    original = b"".join(x + b"\n" for x in lines)
+    log_and_index(logs, store, name, original, "b1-q0")
+    if content is None:
+        (logs / name).unlink()
+    else:
+        (logs / name).write_bytes(content)
+    ts = [T0 + i for i in range(len(lines))]
+    q, found, stats = EventStoreCache(store, logs, 4).lookup(ids([*ts, T0 + 99]), BUCKET_S)
+    assert not found[-1] and not stats.unreadable[-1]  # never stored: a plain miss
+    offsets = [sum(len(x) + 1 for x in lines[:i]) for i in range(len(lines))]
+    for i, t in enumerate(ts):
+        now = (content or b"")[offsets[i] : offsets[i] + len(lines[i])]
+        assert found[i] == (not stats.unreadable[i])
+        if now == lines[i]:  # its line still there, whatever happened around it
+            assert found[i]
+        if found[i]:
+            expected = parse_query(now)  # raises if those bytes are no query: then it must not have been found
+            assert (expected["query_id"], expected["ts_us"]) == (f"10.0.0.1-7-{t}", t)
+            got = q.slice(i, 1).to_pylist()[0]
+            assert got == {k: expected[k] for k in got}
