@@ -100,7 +100,15 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     old = time.time() - 10
     os.utime(settled_torn, (old, old))
     settings = JoinSettings(settle_s=5.0, parallelism=1)
-    joiner = Joiner("dc-a", tmp_path / "logs", tmp_path / "out", {"main": "dbname=unused"}, None, settings)
+    joiner = Joiner(
+        "dc-a",
+        tmp_path / "logs",
+        tmp_path / "out",
+        {"main": "dbname=unused"},
+        None,
+        settings,
+        clock=ServerClock.assumed(),
+    )
     _, taken = joiner._new_files()
     assert sorted(taken) == [f"{new_part}/settled.jsonl", f"{new_part}/whole.jsonl"]
     assert joiner._next_marks["clicks"] == old_part  # torn.jsonl is listed again
