@@ -7,10 +7,12 @@ clock of whichever host happens to run the job (GC's thresholds follow the serve
 
 Protocol. :meth:`ServerClock.measure` asks the server for its clock a few times on one connection and keeps the
 sample with the smallest round trip, taking the server's reading as the midpoint of that round trip: the offset
-(server minus this host) is then known to within half of it. :meth:`ServerClock.now_us` is this host's clock plus
-that offset. A joiner measures at its lease start, before Spark starts, and again every heartbeat period between
-batches; :meth:`ServerClock.check` raises :class:`ClockSkewError` (one line: how far off, which bound, what to fix)
-once the offset exceeds ``max_skew_s``: the lease does not start, or stops after its current batch.
+(server minus this host) is then known to within half of it. :meth:`ServerClock.now_us` is the server's reading
+plus the time elapsed since on this host's monotonic clock: a step of this host's wall clock between two measurements
+(NTP, ``date -s``) does not move it, and the next measurement sees the step. A joiner measures at its lease start,
+before Spark starts, and again every heartbeat period between batches; :meth:`ServerClock.check` raises
+:class:`ClockSkewError` (one line: how far off, which bound, what to fix) once the offset exceeds ``max_skew_s``: the
+lease does not start, or stops after its current batch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class ClockSkewError(RuntimeError):
 class Offset:
     offset_us: int  # server minus this host
     rtt_us: int  # round trip of the sample it came from: the offset is known to within half of it
+    server_us: int = 0  # the server's reading, taken as the round trip's midpoint ...
+    mono_us: int = 0  # ... which this host's monotonic clock read as this (0: never measured)
 
 
 def measure_offset(dsn: str, samples: int = SAMPLES) -> Offset:
@@ -42,11 +46,12 @@ def measure_offset(dsn: str, samples: int = SAMPLES) -> Offset:
     best: Offset | None = None
     with autocommit(dsn, application_name="photon-clock") as conn, conn.cursor() as cur:
         for _ in range(max(1, samples)):
-            before = time.time_ns() // 1000
+            mono_before, before = time.monotonic_ns() // 1000, time.time_ns() // 1000
             cur.execute(CLOCK_SQL)
             server = int(cur.fetchone()[0])
-            after = time.time_ns() // 1000
-            sample = Offset(server - (before + after) // 2, after - before)
+            after, mono_after = time.time_ns() // 1000, time.monotonic_ns() // 1000
+            mid = (mono_before + mono_after) // 2
+            sample = Offset(server - (before + after) // 2, mono_after - mono_before, server, mid)
             if best is None or sample.rtt_us < best.rtt_us:
                 best = sample
     assert best is not None
@@ -88,7 +93,11 @@ class ServerClock:
         return self.offset
 
     def now_us(self) -> int:
-        return time.time_ns() // 1000 + self.offset.offset_us
+        """The server's clock now: its last reading plus the monotonic time since (never this host's wall clock,
+        which may have been stepped since); an assumed clock, never measured, is this host's plus the offset."""
+        if not self.offset.mono_us:
+            return time.time_ns() // 1000 + self.offset.offset_us
+        return self.offset.server_us + time.monotonic_ns() // 1000 - self.offset.mono_us
 
     def check(self) -> None:
         """Raise :class:`ClockSkewError` if the last measured offset exceeds the bound (the half round trip it may

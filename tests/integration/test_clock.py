@@ -145,3 +145,46 @@ def test_leases_on_skewed_clocks_refuse_or_stop_and_nothing_is_lost(
     assert drift_rc == 2 and "PHOTON_MAX_CLOCK_SKEW_S=30 s" in drift_out and "ahead of" in drift_out, drift_out
     assert stopped_after_s < 60, stopped_after_s
     assert all(m is None or m <= current for m in marks.values()), (marks, current)
+
+
+STEP_SCRIPT = """
+import sys, time
+from pathlib import Path
+from photon.clock import ServerClock, CLOCK_SQL
+from photon.pg import autocommit
+
+dsn, rc = sys.argv[1], Path(sys.argv[2])
+clock = ServerClock(dsn, 10.0)  # measured on a clock in step with the server's
+rc.write_text("+90s\\n")  # NTP steps this host's clock 90 s forward (CLOCK_MONOTONIC does not move)
+stepped = time.time() + 60
+while time.time() < stepped and time.monotonic() - clock.measured_at < 5:  # libfaketime re-reads it each second
+    pass  # (no sleep: libfaketime's nanosleep refuses an unfaked monotonic deadline)
+ours = clock.now_us()  # what a batch started now takes as the server's clock (before the next measurement)
+with autocommit(dsn) as conn, conn.cursor() as cur:
+    cur.execute(CLOCK_SQL)
+    server = int(cur.fetchone()[0])
+print(ours - server)
+"""
+
+
+def test_a_host_clock_step_between_measurements_does_not_move_the_servers_clock(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
+    """A joiner measures the offset once per heartbeat period; a host clock stepped in between (an NTP step, an
+    operator's `date -s`) must not shift the server's clock as it reads it, or the batches before the next
+    measurement seal partitions early (marks never move back: a file written there afterwards is never read), stamp
+    first-seen times and deadlines ahead. On the old code ``now_us`` was this host's clock plus the last offset: 90 s
+    ahead."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    joiner_dsn = login_as(dsn, "photon_joiner")
+    rc = tmp_path / "faketimerc"
+    rc.write_text("+0s\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", "LD_PRELOAD": LIBFAKETIME}
+    env |= {"FAKETIME_TIMESTAMP_FILE": str(rc), "FAKETIME_CACHE_DURATION": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", STEP_SCRIPT, joiner_dsn, str(rc)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    error_us = int(proc.stdout.split()[-1])
+    assert abs(error_us) < 2 * US, error_us / US
