@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -460,6 +461,41 @@ def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks
     pq.write_table(again, out / "dc-a" / "joined" / "part-2.parquet")
     r = check_quality(out, logs, START, END)
     assert sorted(r.failed) == sorted([UNIQUE, TWICE])
+    assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
+
+
+def _write_sized(table: pa.Table, path: Path, size: int) -> None:
+    """``table`` written to ``path`` padded (key-value metadata) to exactly ``size`` bytes."""
+    for k in range(8192):  # footer metadata beside the Arrow schema: each character of the pad is one byte
+        with pq.ParquetWriter(path, table.schema) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata({"pad": "x" * k})
+        if path.stat().st_size == size:
+            return
+    raise AssertionError(f"cannot pad {path} to {size} bytes")
+
+
+def test_completeness_sees_an_output_file_replaced_with_the_same_size_and_mtime(tmp_path: Path) -> None:
+    """An output file replaced under its name by one of the same size and modification time (a restore from a backup
+    or a copy that keeps mtimes, ``cp -p``/``rsync -a``, then a rename) is a new file: the index must not keep the
+    old one's click-time range, or the check never opens it and misses a click joined twice there (on the old code
+    the index was keyed by (size, mtime) only: the hour passed completeness)."""
+    w = World()
+    older = [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]
+    out, logs = w.write(tmp_path)
+    path = out / "dc-a" / "joined" / "part-old.parquet"
+    _write_sized(pa.Table.from_pylist(older, schema=JOINED_SCHEMA), path, 12_000)
+    first = check_quality(out, logs, START, END)
+    assert first.success and first.output_files_read == 4, first.details  # part-old: not of this hour, not opened
+    st = path.stat()
+    twice = [{**w.joined[1], "pipeline": "dc-a"}, *older[1:]]  # dc-b's click of this hour, joined by dc-a too
+    tmp = path.with_name("restored.tmp")
+    _write_sized(pa.Table.from_pylist(twice, schema=JOINED_SCHEMA), tmp, st.st_size)
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    r = check_quality(out, logs, START, END)
+    assert TWICE in r.failed, r.details
     assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
 
 
