@@ -61,9 +61,10 @@ import pyarrow.parquet as pq
 
 from photon.audit import data_center_of, pipelines_in, read_output
 from photon.joiner import RECOVERED_PREFIX, first_event_us
-from photon.layout import MINUTE_US, SEAL_S, partition_of
+from photon.layout import MINUTE_US, partition_of
 from photon.parse import parse_file
 from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.settings import time_bound_s
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,21 @@ class QualitySettings:
     latency_mostly: float = 0.99  # share of live pipelines' clicks that must meet the SLO
     max_unjoinable_rate: float = 0.05  # unjoinable clicks per decided click
     max_quarantine_rate: float = 0.05  # quarantined lines (queries' and clicks') of the interval per decided click
-    # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (layout.SEAL_S) and the
-    # clicks of its last files have had the joiners' maximum join delay plus this margin (batch time, retry backoff,
-    # publication) to be decided.
+    # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (``seal_s``: follows
+    # max_clock_skew_s as the joiners' seal does) and the clicks of its last files have had the joiners' maximum join
+    # delay plus this margin (batch time, retry backoff, publication) to be decided.
     max_join_delay_s: float = 120.0  # the joiners' JoinSettings.max_join_delay_s
     settle_margin_s: float = 120.0
 
     def settled_at_us(self, end_us: int) -> int:
         """When the interval ending at ``end_us`` has settled: no click file can land in it any more, and every click
         of its files that a live pipeline consumed has had its deadline."""
-        return end_us + int((SEAL_S + self.max_join_delay_s + self.settle_margin_s) * US)
+        return end_us + int((self.seal_s + self.max_join_delay_s + self.settle_margin_s) * US)
+
+    @property
+    def seal_s(self) -> float:
+        """A log partition is sealed this long after its end (settings.time_bound_s of this skew, as the joiners')."""
+        return time_bound_s(self.max_clock_skew_s)
 
 
 class NotSettled(RuntimeError):
@@ -463,7 +469,7 @@ def check_quality(
     if now < s.settled_at_us(end_us):
         raise NotSettled(
             f"interval [{_iso(start_us)}, {_iso(end_us)}) settles at {_iso(s.settled_at_us(end_us))}: its partitions"
-            f" seal {SEAL_S:.0f} s after it ends, its last clicks have {s.max_join_delay_s:.0f} s to join and"
+            f" seal {s.seal_s:.0f} s after it ends, its last clicks have {s.max_join_delay_s:.0f} s to join and"
             f" {s.settle_margin_s:.0f} s margin"
         )
     _quiet_gx()

@@ -513,3 +513,11 @@ def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
     assert not (out / "_quality").exists()  # nothing judged, nothing reported
     r = check_quality(out, logs, START, END, s, now_us=settled)
     assert not r.success and r.no_outcome == N + 10
+    # The seal follows the configured skew (2 x skew + 40 s): with a 300 s skew a writer's file may land in the
+    # hour's last partition until 640 s after it ends, so no judgement before that plus the join delay and margin
+    # (on the old code the settle time kept the default skew's 60 s seal: the hour was judged at 05:05, its input
+    # files not final).
+    wide = QualitySettings(max_clock_skew_s=300.0)
+    assert wide.settled_at_us(END) == END + (640 + 120 + 120) * US
+    with pytest.raises(NotSettled, match="seal 640 s after it ends"):
+        check_quality(out, logs, START, END, wide, now_us=settled)
