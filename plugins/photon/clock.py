@@ -101,6 +101,15 @@ class ServerClock:
 
     def check(self) -> None:
         """Raise :class:`ClockSkewError` if the last measured offset exceeds the bound (the half round trip it may
-        be off by counts in the host's favour: only a host surely off is refused)."""
+        be off by counts in the host's favour: only a host surely off is refused), or if that half round trip itself
+        exceeds it: a one-way delay puts the whole error on one side, so ``now_us`` may be that far from the server's
+        clock whatever this host's clock is."""
         if abs(self.offset.offset_us) - self.offset.rtt_us // 2 > self.max_skew_s * US:
             raise ClockSkewError(skew_message(self.offset.offset_us, self.max_skew_s))
+        if self.offset.rtt_us // 2 > self.max_skew_s * US:
+            raise ClockSkewError(
+                f"the registry main server's clock cannot be read to within PHOTON_MAX_CLOCK_SKEW_S="
+                f"{self.max_skew_s:g} s from this host: its fastest of {SAMPLES} round trips took "
+                f"{self.offset.rtt_us / US:.1f} s; sealed partitions and deadlines would be off by up to half of it; "
+                "fix the link to the registry (or its load), then retry"
+            )
