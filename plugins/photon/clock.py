@@ -8,9 +8,9 @@ clock of whichever host happens to run the job (GC's thresholds follow the serve
 Protocol. :meth:`ServerClock.measure` asks the server for its clock a few times on one connection and keeps the
 sample with the smallest round trip, taking the server's reading as the midpoint of that round trip: the offset
 (server minus this host) is then known to within half of it. :meth:`ServerClock.now_us` is the server's reading
-plus the time elapsed since on this host's monotonic clock: a step of this host's wall clock between two measurements
-(NTP, ``date -s``) does not move it, and the next measurement sees the step. A joiner measures at its lease start,
-before Spark starts, and again every heartbeat period between batches; :meth:`ServerClock.check` raises
+plus the time elapsed since on this host's steady clock (CLOCK_BOOTTIME): a step of this host's wall clock between
+two measurements (NTP, ``date -s``) does not move it, and the next measurement sees the step. A joiner measures at
+its lease start, before Spark starts, and again every heartbeat period between batches; :meth:`ServerClock.check` raises
 :class:`ClockSkewError` (one line: how far off, which bound, what to fix) once the offset exceeds ``max_skew_s``: the
 lease does not start, or stops after its current batch.
 """
@@ -23,6 +23,15 @@ from dataclasses import dataclass
 from photon.pg import autocommit
 
 US = 1_000_000
+# Steady time for "since the last measurement": unlike the wall clock never stepped, and unlike CLOCK_MONOTONIC it
+# keeps counting while the machine is suspended (a resumed VM would otherwise take the server's clock to be behind).
+_STEADY = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def _steady_us() -> int:
+    return time.clock_gettime_ns(_STEADY) // 1000
+
+
 SAMPLES = 5
 # The server's clock, in epoch microseconds, without needing any function of the photon schema (any role may ask).
 CLOCK_SQL = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
@@ -37,7 +46,7 @@ class Offset:
     offset_us: int  # server minus this host
     rtt_us: int  # round trip of the sample it came from: the offset is known to within half of it
     server_us: int = 0  # the server's reading, taken as the round trip's midpoint ...
-    mono_us: int = 0  # ... which this host's monotonic clock read as this (0: never measured)
+    mono_us: int = 0  # ... which this host's steady clock (_STEADY) read as this (0: never measured)
 
 
 def measure_offset(dsn: str, samples: int = SAMPLES) -> Offset:
@@ -46,10 +55,10 @@ def measure_offset(dsn: str, samples: int = SAMPLES) -> Offset:
     best: Offset | None = None
     with autocommit(dsn, application_name="photon-clock") as conn, conn.cursor() as cur:
         for _ in range(max(1, samples)):
-            mono_before, before = time.monotonic_ns() // 1000, time.time_ns() // 1000
+            mono_before, before = _steady_us(), time.time_ns() // 1000
             cur.execute(CLOCK_SQL)
             server = int(cur.fetchone()[0])
-            after, mono_after = time.time_ns() // 1000, time.monotonic_ns() // 1000
+            after, mono_after = time.time_ns() // 1000, _steady_us()
             mid = (mono_before + mono_after) // 2
             sample = Offset(server - (before + after) // 2, mono_after - mono_before, server, mid)
             if best is None or sample.rtt_us < best.rtt_us:
@@ -93,11 +102,11 @@ class ServerClock:
         return self.offset
 
     def now_us(self) -> int:
-        """The server's clock now: its last reading plus the monotonic time since (never this host's wall clock,
+        """The server's clock now: its last reading plus the steady time since (never this host's wall clock,
         which may have been stepped since); an assumed clock, never measured, is this host's plus the offset."""
         if not self.offset.mono_us:
             return time.time_ns() // 1000 + self.offset.offset_us
-        return self.offset.server_us + time.monotonic_ns() // 1000 - self.offset.mono_us
+        return self.offset.server_us + _steady_us() - self.offset.mono_us
 
     def check(self) -> None:
         """Raise :class:`ClockSkewError` if the last measured offset exceeds the bound (the half round trip it may
