@@ -61,9 +61,10 @@ import pyarrow.parquet as pq
 
 from photon.audit import data_center_of, pipelines_in, read_output
 from photon.joiner import RECOVERED_PREFIX, first_event_us
-from photon.layout import MINUTE_US, SEAL_S, partition_of
+from photon.layout import MINUTE_US, partition_of
 from photon.parse import parse_file
 from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.settings import time_bound_s
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,21 @@ class QualitySettings:
     latency_mostly: float = 0.99  # share of live pipelines' clicks that must meet the SLO
     max_unjoinable_rate: float = 0.05  # unjoinable clicks per decided click
     max_quarantine_rate: float = 0.05  # quarantined lines (queries' and clicks') of the interval per decided click
-    # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (layout.SEAL_S) and the
-    # clicks of its last files have had the joiners' maximum join delay plus this margin (batch time, retry backoff,
-    # publication) to be decided.
+    # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (``seal_s``: follows
+    # max_clock_skew_s as the joiners' seal does) and the clicks of its last files have had the joiners' maximum join
+    # delay plus this margin (batch time, retry backoff, publication) to be decided.
     max_join_delay_s: float = 120.0  # the joiners' JoinSettings.max_join_delay_s
     settle_margin_s: float = 120.0
 
     def settled_at_us(self, end_us: int) -> int:
         """When the interval ending at ``end_us`` has settled: no click file can land in it any more, and every click
         of its files that a live pipeline consumed has had its deadline."""
-        return end_us + int((SEAL_S + self.max_join_delay_s + self.settle_margin_s) * US)
+        return end_us + int((self.seal_s + self.max_join_delay_s + self.settle_margin_s) * US)
+
+    @property
+    def seal_s(self) -> float:
+        """A log partition is sealed this long after its end (settings.time_bound_s of this skew, as the joiners')."""
+        return time_bound_s(self.max_clock_skew_s)
 
 
 class NotSettled(RuntimeError):
@@ -178,6 +184,10 @@ _INDEX_SCHEMA = pa.schema(
         ("file", pa.string()),  # path under <out>/<pipeline>/<kind>/
         ("size", pa.int64()),
         ("mtime_ns", pa.int64()),
+        # With the inode: a file replaced under its name (a rename, a restore keeping size and mtime) is a new file.
+        # Nothing sets ctime back: any write or rename in place moves it.
+        ("ctime_ns", pa.int64()),
+        ("inode", pa.int64()),
         ("rows", pa.int64()),
         ("min_ts", pa.int64()),  # click_ts_us; INT64 min/max when the footer cannot bound it (nulls, no statistics)
         ("max_ts", pa.int64()),
@@ -257,10 +267,10 @@ def _footer_range(path: Path) -> tuple[int, int, int]:
     return rows, lo, hi
 
 
-def _listed(folder: Path, prefix: str = "") -> list[tuple[str, int, int]]:
-    """(path under ``folder``, size, mtime_ns) of every complete Parquet file, recursively; ``_*``/``.*`` are in
-    progress (as the dataset reader skips them)."""
-    found: list[tuple[str, int, int]] = []
+def _listed(folder: Path, prefix: str = "") -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(path under ``folder``, (size, mtime_ns, ctime_ns, inode)) of every complete Parquet file, recursively;
+    ``_*``/``.*`` are in progress (as the dataset reader skips them)."""
+    found: list[tuple[str, tuple[int, int, int, int]]] = []
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
@@ -272,27 +282,28 @@ def _listed(folder: Path, prefix: str = "") -> list[tuple[str, int, int]]:
             found += _listed(Path(e.path), f"{prefix}{e.name}/")
         elif e.name.endswith(".parquet"):
             st = e.stat()
-            found.append((prefix + e.name, st.st_size, st.st_mtime_ns))
+            found.append((prefix + e.name, (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)))
     return found
 
 
 def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
     """The click-time range of every output file of one pipeline and kind, from ``<out>/_quality/index``, brought up
-    to date: files gone are dropped, new (or changed: size or mtime) files have their footer read once. A published
-    output file never changes, so a run reads the footers of what was published since the last run, not of the
-    history; listing the folder is the only cost that grows with it (measured in the README)."""
+    to date: files gone are dropped, new (or changed: size, mtime, ctime or inode) files have their footer read once.
+    A published output file never changes, so a run reads the footers of what was published since the last run, not
+    of the history; listing the folder is the only cost that grows with it (measured in the README)."""
     path = out / QUALITY_DIR / INDEX_DIR / f"{pipeline}.{kind}.parquet"
-    old: dict[str, tuple[int, int, int, int, int]] = {}
+    old: dict[str, tuple[tuple[Any, ...], int, int, int]] = {}
     if path.exists():
-        for r in pq.read_table(path).to_pylist():
-            old[r["file"]] = (r["size"], r["mtime_ns"], r["rows"], r["min_ts"], r["max_ts"])
+        for r in pq.read_table(path).to_pylist():  # an index written before ctime/inode: each footer read once more
+            key = (r["size"], r["mtime_ns"], r.get("ctime_ns"), r.get("inode"))
+            old[r["file"]] = (key, r["rows"], r["min_ts"], r["max_ts"])
     rows: dict[str, list[Any]] = {f.name: [] for f in _INDEX_SCHEMA}
     changed = False
     listed = _listed(out / pipeline / kind)
-    for rel, size, mtime in listed:
+    for rel, stat in listed:
         known = old.get(rel)
-        if known is not None and known[:2] == (size, mtime):
-            n, lo, hi = known[2:]
+        if known is not None and known[0] == stat:
+            n, lo, hi = known[1:]
         else:
             try:
                 n, lo, hi = _footer_range(out / pipeline / kind / rel)
@@ -301,7 +312,7 @@ def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
             except (pa.ArrowInvalid, OSError) as exc:
                 raise QualityInputError(f"output file {out / pipeline / kind / rel} is unreadable: {exc}") from exc
             changed = True
-        for k, v in zip(_INDEX_SCHEMA.names, (rel, size, mtime, n, lo, hi), strict=True):
+        for k, v in zip(_INDEX_SCHEMA.names, (rel, *stat, n, lo, hi), strict=True):
             rows[k].append(v)
     table = pa.table(rows, schema=_INDEX_SCHEMA)
     if changed or len(listed) != len(old):
@@ -458,7 +469,7 @@ def check_quality(
     if now < s.settled_at_us(end_us):
         raise NotSettled(
             f"interval [{_iso(start_us)}, {_iso(end_us)}) settles at {_iso(s.settled_at_us(end_us))}: its partitions"
-            f" seal {SEAL_S:.0f} s after it ends, its last clicks have {s.max_join_delay_s:.0f} s to join and"
+            f" seal {s.seal_s:.0f} s after it ends, its last clicks have {s.max_join_delay_s:.0f} s to join and"
             f" {s.settle_margin_s:.0f} s margin"
         )
     _quiet_gx()

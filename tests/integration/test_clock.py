@@ -8,17 +8,23 @@ pipeline hides a loss:
 - with PHOTON_MAX_CLOCK_SKEW_S raised to 30, a host 20 s fast runs (the setting reaches the check), its clock then
   drifts to 90 s fast mid-lease: it stops after its batch with the same line, its marks never past the current
   minute by the server's clock;
-- a later honest lease drains; the audit finds nothing lost and nothing joined twice."""
+- a later honest lease drains; the audit finds nothing lost and nothing joined twice;
+- a host clock stepped between two measurements does not move the server's clock as the joiner reads it;
+- a clock read over a round trip too slow to bound the offset within the skew is refused."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +32,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.audit import audit
-from photon.clock import server_now_us
+from photon.clock import ClockSkewError, ServerClock, server_now_us
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
 from photon.layout import partition_of
 from photon.pipeline_state import PipelineState
 from photon.registry_admin import init_registry
+from tests.integration.test_adversary_handover2 import Proxy
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -145,3 +152,98 @@ def test_leases_on_skewed_clocks_refuse_or_stop_and_nothing_is_lost(
     assert drift_rc == 2 and "PHOTON_MAX_CLOCK_SKEW_S=30 s" in drift_out and "ahead of" in drift_out, drift_out
     assert stopped_after_s < 60, stopped_after_s
     assert all(m is None or m <= current for m in marks.values()), (marks, current)
+
+
+STEP_SCRIPT = """
+import sys, time
+from pathlib import Path
+from photon.clock import ServerClock, CLOCK_SQL
+from photon.pg import autocommit
+
+dsn, rc = sys.argv[1], Path(sys.argv[2])
+clock = ServerClock(dsn, 10.0)  # measured on a clock in step with the server's
+rc.write_text("+90s\\n")  # NTP steps this host's clock 90 s forward (CLOCK_MONOTONIC does not move)
+stepped = time.time() + 60
+while time.time() < stepped and time.monotonic() - clock.measured_at < 5:  # libfaketime re-reads it each second
+    pass  # (no sleep: libfaketime's nanosleep refuses an unfaked monotonic deadline)
+ours = clock.now_us()  # what a batch started now takes as the server's clock (before the next measurement)
+with autocommit(dsn) as conn, conn.cursor() as cur:
+    cur.execute(CLOCK_SQL)
+    server = int(cur.fetchone()[0])
+print(ours - server)
+"""
+
+
+def test_a_host_clock_step_between_measurements_does_not_move_the_servers_clock(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
+    """A joiner measures the offset once per heartbeat period; a host clock stepped in between (an NTP step, an
+    operator's `date -s`) must not shift the server's clock as it reads it, or the batches before the next
+    measurement seal partitions early (marks never move back: a file written there afterwards is never read), stamp
+    first-seen times and deadlines ahead. On the old code ``now_us`` was this host's clock plus the last offset: 90 s
+    ahead."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    joiner_dsn = login_as(dsn, "photon_joiner")
+    rc = tmp_path / "faketimerc"
+    rc.write_text("+0s\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", "LD_PRELOAD": LIBFAKETIME}
+    env |= {"FAKETIME_TIMESTAMP_FILE": str(rc), "FAKETIME_CACHE_DURATION": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", STEP_SCRIPT, joiner_dsn, str(rc)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    error_us = int(proc.stdout.split()[-1])
+    assert abs(error_us) < 2 * US, error_us / US
+
+
+@contextmanager
+def proxy_for_class(cls: type[Proxy], dsn: str) -> Iterator[Proxy]:
+    p = cls(dsn)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+class SlowClockProxy(Proxy):
+    """The registry behind a link whose client-to-server direction holds each clock query ``delay_s`` (a congested
+    uplink): the server reads its clock late, the answer comes back at once."""
+
+    delay_s = 1.5
+
+    def _handle(self, client: socket.socket) -> None:
+        try:
+            head = self._read(client, 4)
+            startup = head + self._read(client, struct.unpack("!I", head)[0] - 4)
+            server = self._connect_upstream()
+            self.socks.append(server)
+            server.sendall(startup)
+            threading.Thread(target=self._copy, args=(server, client), daemon=True).start()
+            while True:
+                header = self._read(client, 5)
+                body = self._read(client, struct.unpack("!I", header[1:])[0] - 4)
+                if header[:1] == b"Q" and b"clock_timestamp" in body:
+                    time.sleep(self.delay_s)
+                server.sendall(header + body)
+        except (EOFError, OSError):
+            pass
+
+
+def test_a_clock_read_over_a_slow_round_trip_is_refused_not_trusted(
+    make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
+    """The offset is known to within half the round trip, and a one-way delay puts it all on one side. A host whose
+    clock agrees with the server's, reading it over a link that holds each query 1.5 s, takes the server's clock to be
+    0.75 s ahead of where it is: past a 0.5 s skew, unseen by a check that counts the half round trip in the host's
+    favour (the old code let the lease run on it). A clock read that uncertain is refused like a skewed one."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    joiner_dsn = login_as(dsn, "photon_joiner")
+    with proxy_for_class(SlowClockProxy, joiner_dsn) as proxy:
+        clock = ServerClock(proxy.dsn, max_skew_s=0.5)
+    off_us = clock.now_us() - server_now_us(joiner_dsn)
+    assert off_us > 0.5 * US, off_us / US  # the harm: decisions on a clock further from the server's than the skew
+    with pytest.raises(ClockSkewError, match="round trip"):
+        clock.check()
+    ServerClock(joiner_dsn, max_skew_s=0.5).check()  # the same host over a fast link: in step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -463,6 +464,46 @@ def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks
     assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
 
 
+def _write_sized(table: pa.Table, path: Path, size: int) -> None:
+    """``table`` written to ``path`` padded (key-value metadata) to exactly ``size`` bytes."""
+
+    def write(k: int) -> int:
+        with pq.ParquetWriter(path, table.schema) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata({"pad": "x" * k})  # footer metadata: each character one byte
+        return path.stat().st_size
+
+    unpadded = write(0)
+    for k in range(max(0, size - unpadded - 8), size - unpadded + 1):  # a longer length prefix may take a byte more
+        if write(k) == size:
+            return
+    raise AssertionError(f"cannot pad {path} to {size} bytes")
+
+
+def test_completeness_sees_an_output_file_replaced_with_the_same_size_and_mtime(tmp_path: Path) -> None:
+    """An output file replaced under its name by one of the same size and modification time (a restore from a backup
+    or a copy that keeps mtimes, ``cp -p``/``rsync -a``, then a rename) is a new file: the index must not keep the
+    old one's click-time range, or the check never opens it and misses a click joined twice there (on the old code
+    the index was keyed by (size, mtime) only: the hour passed completeness)."""
+    w = World()
+    older = [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]
+    out, logs = w.write(tmp_path)
+    path = out / "dc-a" / "joined" / "part-old.parquet"
+    _write_sized(pa.Table.from_pylist(older, schema=JOINED_SCHEMA), path, 8_000)
+    first = check_quality(out, logs, START, END)
+    assert first.success and first.output_files_read == 4, first.details  # part-old: not of this hour, not opened
+    st = path.stat()
+    twice = [{**w.joined[1], "pipeline": "dc-a"}, *older[1:]]  # dc-b's click of this hour, joined by dc-a too
+    tmp = path.with_name("restored.tmp")
+    _write_sized(pa.Table.from_pylist(twice, schema=JOINED_SCHEMA), tmp, st.st_size)
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    r = check_quality(out, logs, START, END)
+    assert TWICE in r.failed, r.details
+    assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
+
+
 def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
     """Before its partitions are sealed and its last clicks' deadlines have passed, a click may still wait in a
     retry set: the check refuses to judge (clear error), and judges once settled."""
@@ -477,3 +518,11 @@ def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
     assert not (out / "_quality").exists()  # nothing judged, nothing reported
     r = check_quality(out, logs, START, END, s, now_us=settled)
     assert not r.success and r.no_outcome == N + 10
+    # The seal follows the configured skew (2 x skew + 40 s): with a 300 s skew a writer's file may land in the
+    # hour's last partition until 640 s after it ends, so no judgement before that plus the join delay and margin
+    # (on the old code the settle time kept the default skew's 60 s seal: the hour was judged at 05:05, its input
+    # files not final).
+    wide = QualitySettings(max_clock_skew_s=300.0)
+    assert wide.settled_at_us(END) == END + (640 + 120 + 120) * US
+    with pytest.raises(NotSettled, match="seal 640 s after it ends"):
+        check_quality(out, logs, START, END, wide, now_us=settled)
