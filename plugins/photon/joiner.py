@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.durable import check_parquet, fsync_dir, make_dirs
 from photon.eventstore import RECOVER_STORE, index_rows, read_store_file
+from photon.ids import valid_ids
 from photon.layout import SEAL_S, list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import (
     BAD_FIELDS,
@@ -55,6 +56,7 @@ from photon.parse import (
     parse_query,
 )
 from photon.pipeline_state import Lease, PipelineState
+from photon.query_index import REASON_QUERY_GC
 from photon.schemas import (
     JOINED,
     JOINED_SCHEMA,
@@ -288,6 +290,10 @@ class _Task:
     retry_max_s: float
     adapter: str
     max_future_s: float
+    # The registry's horizon when the lease started (query_index.py): a click whose query is older is unjoinable.
+    horizon_us: int | None = None
+    # A backfill's second place to look: the data center's shared query index (<out>/_query_index/<dc>).
+    shared_index: str | None = None
 
 
 def _source_task(
@@ -435,9 +441,19 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         counts["prefiltered"] = int(np.count_nonzero(taken))
         give_up(due.filter(pa.array(~taken & found.too_old)), REASON_GC)
         live = due.filter(pa.array(~taken & ~found.too_old))
-        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries.
+        if t.horizon_us is not None:  # the EventStores keep nothing older (EVENTS.md): no point waiting for it
+            q_valid, q_ts = valid_ids(live.column("query_id"))
+            forgotten = q_valid & (q_ts < t.horizon_us)
+            give_up(live.filter(pa.array(forgotten)), REASON_QUERY_GC)
+            live = live.filter(pa.array(~forgotten))
+        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries; for a backfill, then
+        # the data center's shared query index.
         cache = cache_for(state / "eventstore", Path(t.logs), t.cache_buckets, t.cache_max_rows)
         queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
+        if t.shared_index is not None and not hit.all():
+            shared = cache_for(Path(t.shared_index), Path(t.logs), t.cache_buckets, t.cache_max_rows)
+            ids = live.column("query_id").combine_chunks()
+            queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
         miss = live.filter(pa.array(~hit))
         live_hit = live.filter(pa.array(hit))
@@ -522,6 +538,27 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     return counts, latencies
 
 
+def lookup_also(
+    store: Any, query_ids: pa.Array, bucket_s: int, queries: pa.Table, hit: np.ndarray, stats: Any
+) -> tuple[pa.Table, np.ndarray]:
+    """Look the ids not ``hit`` yet up in a second store; (queries, hit) for all of them, and ``stats`` updated (a
+    query found there is no longer unreadable)."""
+    missing = np.flatnonzero(~hit)
+    more, found, more_stats = store.lookup(query_ids.take(pa.array(missing)), bucket_s)
+    stats.hits += more_stats.hits
+    stats.files_read += more_stats.files_read
+    stats.lines_read += more_stats.lines_read
+    stats.lines_missing += more_stats.lines_missing
+    stats.unreadable[missing] = (stats.unreadable[missing] | more_stats.unreadable) & ~found
+    if not found.any():
+        return queries, hit
+    rows = np.arange(len(hit))
+    rows[missing[found]] = len(hit) + np.flatnonzero(found)
+    hit = hit.copy()
+    hit[missing[found]] = True
+    return pa.concat_tables([queries, more.cast(queries.schema)]).take(pa.array(rows)), hit
+
+
 # -- the driver ------------------------------------------------------------------------------------------------
 
 
@@ -561,6 +598,8 @@ class Joiner:
         self._next_marks: dict[str, str | None] = dict(self.marks)
         self.retry_dir: Path | None = None
         self._first_ts: dict[Path, int] = {}
+        self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
+        self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -602,6 +641,7 @@ class Joiner:
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
         self._check_state()
+        self._prepare_lookups()
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
@@ -668,6 +708,38 @@ class Joiner:
         seal = int(SEAL_S * US)
         first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
         return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
+
+    def _prepare_lookups(self) -> None:
+        """At a lease's start: read the registry's horizon, prune the pipeline's EventStore behind it, and for a
+        backfill make sure the data center's shared query index covers every sealed query partition from the horizon
+        to the window's end plus the maximum join delay and margins (only partitions not yet indexed are parsed)."""
+        from photon.query_index import ensure_indexed, index_range, index_root, prune, registry_horizon_us
+
+        self.horizon_us, now = registry_horizon_us(self.servers)
+        pruned = prune(self.state_dir / "eventstore", self.horizon_us, self.s.bucket_s)
+        if pruned.buckets:
+            log.info("%s: EventStore pruned behind the registry's horizon: %s", self.pipeline, pruned)
+        if self.s.window_end_us is None:
+            return
+        self.shared_index = index_root(self.out, self.dc)
+        pruned = prune(self.shared_index, self.horizon_us, self.s.bucket_s)
+        after_s = self.s.max_join_delay_s + 2 * self.s.window_margin_s + SEAL_S
+        first, last = index_range(self.s.window_end_us, self.horizon_us, after_s)
+        t0 = time.monotonic()
+        built = ensure_indexed(
+            self.spark,
+            self.logs / self.dc / "queries",
+            self.shared_index,
+            first=first,
+            last=last,
+            now_us=now,
+            bucket_s=self.s.bucket_s,
+            parallelism=self.parallelism,
+        )
+        log.info(
+            "%s: shared query index %s, %s..%s: %s in %.1fs (pruned %s)",
+            *(self.pipeline, self.shared_index, first, last, built, time.monotonic() - t0, pruned),
+        )
 
     def _check_state(self) -> None:
         """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
@@ -895,6 +967,8 @@ class Joiner:
             retry_max_s=self.s.retry_max_s,
             adapter=self.s.adapter,
             max_future_s=self.s.max_future_s,
+            horizon_us=self.horizon_us,
+            shared_index=str(self.shared_index) if self.shared_index is not None else None,
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
