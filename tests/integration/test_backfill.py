@@ -4,14 +4,22 @@ registry's horizon is joined, across hour boundaries, through the shared per-dat
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from photon.audit import audit
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
+from photon.layout import log_path
+from photon.query_index import REASON_QUERY_GC
+from photon.registry import read_layout
+from photon.registry_admin import advance_gc_threshold, init_registry
 
 US = 1_000_000
 HOUR_US = 3_600 * US
@@ -48,3 +56,59 @@ def test_hourly_backfills_join_late_clicks_across_hours(tmp_path: Path, servers:
     assert report.ok, report.failures()
     late = report.outcomes
     print(f"outcomes {late}; unjoinable {report.unjoinable_by_reason}")
+
+
+def _query(ts: int) -> bytes:
+    ad = {"ad_id": "a1", "advertiser_id": "adv1", "bid_micros": 1}
+    q = {"query_id": f"10.0.0.1-7-{ts}", "ts_us": ts, "user_id": "u", "query_text": "q", "country": "DE", "ads": [ad]}
+    return json.dumps(q).encode() + b"\n"
+
+
+def _click(ts: int, query_ts: int) -> bytes:
+    c = {"click_id": f"10.0.0.2-8-{ts}", "ts_us": ts, "query_id": f"10.0.0.1-7-{query_ts}", "ad_id": "a1"}
+    return json.dumps(c).encode() + b"\n"
+
+
+def _write(logs: Path, kind: str, name: str, arrival_us: int, data: bytes) -> None:
+    path = log_path(logs, "dc-a", kind, name, arrival_us)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_live_store_pruned_behind_the_horizon_and_older_queries_unjoinable(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str], spark: Any
+) -> None:
+    """A live pipeline stores two queries; GC moves the registry's horizon between them. At its next lease the
+    pipeline's EventStore keeps only what is at or after the horizon minus the clock skew; a click on the recent query
+    is joined (its lookup still hits), a click on the older one is unjoinable with the horizon as its reason (before,
+    the store kept every query forever and joined it)."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=2)
+    servers, gc = {"main": login_as(dsn, "photon_joiner")}, {"main": login_as(dsn, "photon_gc")}
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time()) * US
+    old = (now - 1_200 * US) // (10 * US) * (10 * US)  # a bucket's first microsecond
+    recent = old + 60 * US
+    _write(logs, "queries", "10.0.0.1-7-1.jsonl", old + 1 * US, _query(old) + _query(recent))
+    settings = JoinSettings(trigger_interval_s=0.1)
+    first = Joiner("dc-a", logs, out, servers, spark, settings)
+    first.run(until_caught_up=True, drain=True)
+    first.release()
+    store = out / "dc-a" / "_state" / "eventstore"
+    assert {p.name for p in store.iterdir()} == {f"bucket={old // (10 * US)}", f"bucket={recent // (10 * US)}"}
+
+    horizon = old + 30 * US  # between the two queries, and more than the skew after the older one
+    layout, _ = read_layout(gc["main"])
+    for ref in layout.shards():
+        assert advance_gc_threshold(gc, ref, horizon) == horizon
+    _write(logs, "clicks", "10.0.0.2-8-1.jsonl", now, _click(now - 2 * US, old) + _click(now - 1 * US, recent))
+    second = Joiner("dc-a", logs, out, servers, spark, settings)
+    second.run(until_caught_up=True, drain=True)
+    second.release()
+
+    joined = pq.read_table(out / "dc-a" / "joined").to_pylist()
+    unjoinable = pq.read_table(out / "dc-a" / "unjoinable").to_pylist()
+    assert [(r["click_id"], r["query_ts_us"]) for r in joined] == [(f"10.0.0.2-8-{now - 1 * US}", recent)]
+    assert [(r["click_id"], r["reason"]) for r in unjoinable] == [(f"10.0.0.2-8-{now - 2 * US}", REASON_QUERY_GC)]
+    assert {p.name for p in store.iterdir()} == {f"bucket={recent // (10 * US)}"}
+    assert second.horizon_us == horizon
