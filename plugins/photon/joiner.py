@@ -600,6 +600,7 @@ class Joiner:
         self._first_ts: dict[Path, int] = {}
         self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
         self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
+        self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -736,6 +737,7 @@ class Joiner:
             bucket_s=self.s.bucket_s,
             parallelism=self.parallelism,
         )
+        self.index_stats = {**built, "seconds": time.monotonic() - t0, "pruned_buckets": pruned.buckets}
         log.info(
             "%s: shared query index %s, %s..%s: %s in %.1fs (pruned %s)",
             *(self.pipeline, self.shared_index, first, last, built, time.monotonic() - t0, pruned),

@@ -5,6 +5,7 @@ registry's horizon is joined, across hour boundaries, through the shared per-dat
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -13,7 +14,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from photon.audit import audit
+from photon.audit import audit, pipelines_in
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
 from photon.layout import log_path
@@ -43,19 +44,30 @@ def test_hourly_backfills_join_late_clicks_across_hours(tmp_path: Path, servers:
         malformed_fraction=0.0,
     )
     generate(settings, logs, start_us=h0, end_us=h0 + 3 * HOUR_US)
+    built: dict[tuple[int, str], dict[str, Any]] = {}
+    took: dict[tuple[int, str], float] = {}
     for h in range(3):
         for dc in ("dc-a", "dc-b"):
+            t0 = time.monotonic()
             window = h0 + h * HOUR_US
             name = f"backfill-{dc}-{datetime.fromtimestamp(window / US, UTC):%Y%m%d%H%M}"
             s = JoinSettings(window_start_us=window, window_end_us=window + HOUR_US, trigger_interval_s=0.1)
             joiner = Joiner(dc, logs, out, servers, spark, s, pipeline=name)
             joiner.run(until_caught_up=True, drain=True)
             joiner.release()
+            built[h, dc], took[h, dc] = joiner.index_stats, time.monotonic() - t0
     report = audit(out, manifest=logs / "_manifest")
     assert report.lost == 0 and report.duplicate_clicks == 0, (report.failures(), report.unjoinable_by_reason)
     assert report.ok, report.failures()
-    late = report.outcomes
-    print(f"outcomes {late}; unjoinable {report.unjoinable_by_reason}")
+    # Every reader of the output skips the shared index's folder; each replica has its own index.
+    assert "_query_index" not in pipelines_in(out) and sorted(os.listdir(out / "_query_index")) == ["dc-a", "dc-b"]
+    # Each sealed query partition is parsed once per replica: a later hour parses only what arrived since.
+    for dc in ("dc-a", "dc-b"):
+        assert built[0, dc]["already"] == 0 and built[0, dc]["indexed"] > 0
+        for h in (1, 2):
+            assert built[h, dc]["already"] == sum(built[i, dc]["indexed"] for i in range(h)), built
+            assert 0 < built[h, dc]["indexed"] <= 60 + 5, built  # an hour's minutes, and the join delay's few
+    print(f"outcomes {report.outcomes}; unjoinable {report.unjoinable_by_reason}; index {built}; seconds {took}")
 
 
 def _query(ts: int) -> bytes:
