@@ -8,8 +8,10 @@ Batch k of pipeline P, under a lease with epoch E, is one Spark job of two stage
   lookup). Stage 2, in each partition:
   2. registry pre-filter: drop clicks another batch already registered (Photon's dispatcher lookup);
   3. EventStore lookup: the worker's cache of recent buckets (the Python workers live as long as the session), the
-     stored buckets it has not seen, and this batch's staged queries. Clicks without a query wait for a retry with
-     exponential backoff, or go to unjoinable/ once older than the maximum join delay;
+     stored buckets it has not seen, and this batch's staged queries; for a backfill, then the data center's shared
+     query index (query_index.py). A click whose query is older than the registry's horizon is unjoinable at once;
+     clicks without a query wait for a retry with exponential backoff, or go to unjoinable/ once older than the
+     maximum join delay;
   4. the adapter merges the query's fields into the click;
   5. registration of the partition's joined ids, one transaction per shard, under token (P, k);
   6. the rows won, the unjoinable clicks and the new retry set are written, staged under ``b<k>-e<E>``.

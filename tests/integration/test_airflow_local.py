@@ -406,7 +406,8 @@ def test_backfill_while_a_joiner_lease_runs(
         wait_for("a joiner lease running", lease_running, 90, af)
         # History of both data centers, which arrived hours ago (in sealed partitions the live lease, past its first
         # batch, never lists again): the backfill's.
-        wait_for("a live batch", lambda: joined_ids(out / "dc-a"), 120, af)
+        # (The lease's Spark session and warm-up take two minutes and more on a loaded 2-core machine.)
+        wait_for("a live batch", lambda: joined_ids(out / "dc-a"), 300, af)
         photon_cli(
             *("generate", "--logs", str(logs), "--mode", "historical", "--start", history, "--duration", "7200"),
             *("--rate", "6", "--dcs", "dc-a,dc-b", "--rotate", "60", "--seed", "11"),
