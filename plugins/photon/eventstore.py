@@ -224,7 +224,11 @@ class EventStoreCache:
         for root in (self.root, staged):
             folder = root / f"bucket={b}" if root is not None else None
             if folder is not None and folder.is_dir():
-                names.update({n: folder / n for n in os.listdir(folder) if n.endswith((INDEX_SUFFIX, LEGACY_SUFFIX))})
+                try:
+                    listed = os.listdir(folder)
+                except FileNotFoundError:  # pruned behind the registry's horizon just now (query_index.prune)
+                    listed = []
+                names.update({n: folder / n for n in listed if n.endswith((INDEX_SUFFIX, LEGACY_SUFFIX))})
         entry = self.buckets.pop(b, None) or _Bucket()
         self.buckets[b] = entry  # most recently used last
         changed = False
@@ -235,7 +239,12 @@ class EventStoreCache:
         for name in sorted(names):
             files = entry.files if name.endswith(INDEX_SUFFIX) else entry.legacy
             if name not in files:
-                files[name] = read_store_file(names[name])
+                try:
+                    files[name] = read_store_file(names[name])
+                except CorruptStateError:
+                    if names[name].exists():
+                        raise
+                    continue  # pruned between the listing and the read: as if not listed
                 stats.files_read += 1
                 changed = True
         if changed or (entry.table is None and entry.files):

@@ -8,8 +8,10 @@ Batch k of pipeline P, under a lease with epoch E, is one Spark job of two stage
   lookup). Stage 2, in each partition:
   2. registry pre-filter: drop clicks another batch already registered (Photon's dispatcher lookup);
   3. EventStore lookup: the worker's cache of recent buckets (the Python workers live as long as the session), the
-     stored buckets it has not seen, and this batch's staged queries. Clicks without a query wait for a retry with
-     exponential backoff, or go to unjoinable/ once older than the maximum join delay;
+     stored buckets it has not seen, and this batch's staged queries; for a backfill, then the data center's shared
+     query index (query_index.py). A click whose query is older than the registry's horizon is unjoinable at once;
+     clicks without a query wait for a retry with exponential backoff, or go to unjoinable/ once older than the
+     maximum join delay;
   4. the adapter merges the query's fields into the click;
   5. registration of the partition's joined ids, one transaction per shard, under token (P, k);
   6. the rows won, the unjoinable clicks and the new retry set are written, staged under ``b<k>-e<E>``.
@@ -45,6 +47,7 @@ from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.clock import ClockSkewError, ServerClock
 from photon.durable import check_parquet, fsync_dir, make_dirs
 from photon.eventstore import RECOVER_STORE, index_rows, read_store_file
+from photon.ids import valid_ids
 from photon.layout import list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import (
     BAD_FIELDS,
@@ -56,6 +59,7 @@ from photon.parse import (
     parse_query,
 )
 from photon.pipeline_state import Lease, PipelineState
+from photon.query_index import REASON_QUERY_GC
 from photon.schemas import (
     JOINED,
     JOINED_SCHEMA,
@@ -311,6 +315,10 @@ class _Task:
     max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
     clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
     settle_s: float = SETTLE_S
+    # The registry's horizon when the lease started (query_index.py): a click whose query is older is unjoinable.
+    horizon_us: int | None = None
+    # A backfill's second place to look: the data center's shared query index (<out>/_query_index/<dc>).
+    shared_index: str | None = None
 
 
 def settled(path: Path, st: os.stat_result, settle_s: float) -> bool:
@@ -524,9 +532,19 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         counts["prefiltered"] = int(np.count_nonzero(taken))
         give_up(due.filter(pa.array(~taken & found.too_old)), REASON_GC)
         live = due.filter(pa.array(~taken & ~found.too_old))
-        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries.
+        if t.horizon_us is not None:  # the EventStores keep nothing older (EVENTS.md): no point waiting for it
+            q_valid, q_ts = valid_ids(live.column("query_id"))
+            forgotten = q_valid & (q_ts < t.horizon_us)
+            give_up(live.filter(pa.array(forgotten)), REASON_QUERY_GC)
+            live = live.filter(pa.array(~forgotten))
+        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries; for a backfill, then
+        # the data center's shared query index.
         cache = cache_for(state / "eventstore", Path(t.logs), t.cache_buckets, t.cache_max_rows)
         queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
+        if t.shared_index is not None and not hit.all():
+            shared = cache_for(Path(t.shared_index), Path(t.logs), t.cache_buckets, t.cache_max_rows)
+            ids = live.column("query_id").combine_chunks()
+            queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
         miss = live.filter(pa.array(~hit))
         live_hit = live.filter(pa.array(hit))
@@ -612,6 +630,27 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     return counts, latencies
 
 
+def lookup_also(
+    store: Any, query_ids: pa.Array, bucket_s: int, queries: pa.Table, hit: np.ndarray, stats: Any
+) -> tuple[pa.Table, np.ndarray]:
+    """Look the ids not ``hit`` yet up in a second store; (queries, hit) for all of them, and ``stats`` updated (a
+    query found there is no longer unreadable)."""
+    missing = np.flatnonzero(~hit)
+    more, found, more_stats = store.lookup(query_ids.take(pa.array(missing)), bucket_s)
+    stats.hits += more_stats.hits
+    stats.files_read += more_stats.files_read
+    stats.lines_read += more_stats.lines_read
+    stats.lines_missing += more_stats.lines_missing
+    stats.unreadable[missing] = (stats.unreadable[missing] | more_stats.unreadable) & ~found
+    if not found.any():
+        return queries, hit
+    rows = np.arange(len(hit))
+    rows[missing[found]] = len(hit) + np.flatnonzero(found)
+    hit = hit.copy()
+    hit[missing[found]] = True
+    return pa.concat_tables([queries, more.cast(queries.schema)]).take(pa.array(rows)), hit
+
+
 # -- the driver ------------------------------------------------------------------------------------------------
 
 
@@ -658,6 +697,9 @@ class Joiner:
         # reported once (``_changed``, quarantined by the next batch), never silently left half read.
         self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
         self._changed: list[dict[str, Any]] = []
+        self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
+        self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
+        self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -701,6 +743,7 @@ class Joiner:
         retry = self.state_dir / "retries" / self._tag(*last) if last else None
         self.retry_dir = retry if retry and retry.is_dir() else None
         self._check_state()
+        self._prepare_lookups()
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
@@ -768,6 +811,42 @@ class Joiner:
         seal = int(self.s.seal_s * US)
         first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
         return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
+
+    def _prepare_lookups(self) -> None:
+        """At a lease's start: read the registry's horizon, prune the pipeline's EventStore behind it, and for a
+        backfill make sure the data center's shared query index covers every sealed query partition from the horizon
+        to the window's end plus the maximum join delay and margins (only partitions not yet indexed are parsed)."""
+        from photon.query_index import ensure_indexed, index_range, index_root, prune, registry_horizon_us
+
+        skew = self.s.max_clock_skew_s
+        self.horizon_us, now = registry_horizon_us(self.servers, max_clock_skew_s=skew)
+        pruned = prune(self.state_dir / "eventstore", self.horizon_us, self.s.bucket_s, skew)
+        if pruned.buckets:
+            log.info("%s: EventStore pruned behind the registry's horizon: %s", self.pipeline, pruned)
+        if self.s.window_end_us is None:
+            return
+        self.shared_index = index_root(self.out, self.dc)
+        pruned = prune(self.shared_index, self.horizon_us, self.s.bucket_s, skew)
+        after_s = self.s.max_join_delay_s + 2 * self.s.window_margin_s + self.s.seal_s
+        first, last = index_range(self.s.window_end_us, self.horizon_us, after_s, skew)
+        t0 = time.monotonic()
+        built = ensure_indexed(
+            self.spark,
+            self.logs / self.dc / "queries",
+            self.shared_index,
+            first=first,
+            last=last,
+            now_us=now,
+            bucket_s=self.s.bucket_s,
+            parallelism=self.parallelism,
+            seal_s=self.s.seal_s,
+            max_future_s=self.s.max_future_s,
+        )
+        self.index_stats = {**built, "seconds": time.monotonic() - t0, "pruned_buckets": pruned.buckets}
+        log.info(
+            "%s: shared query index %s, %s..%s: %s in %.1fs (pruned %s)",
+            *(self.pipeline, self.shared_index, first, last, built, time.monotonic() - t0, pruned),
+        )
 
     def _check_state(self) -> None:
         """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
@@ -1062,6 +1141,8 @@ class Joiner:
             max_clock_skew_us=int(self.s.max_clock_skew_s * US),
             clock_offset_us=self.clock.offset.offset_us,
             settle_s=self.s.settle_s,
+            horizon_us=self.horizon_us,
+            shared_index=str(self.shared_index) if self.shared_index is not None else None,
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:

@@ -1,0 +1,126 @@
+"""Backfills look up the same horizon as a live pipeline: a click whose query is anywhere in the logs within the
+registry's horizon is joined, across hour boundaries, through the shared per-data-center query index
+(``<out>/_query_index/<dc>``), built once per sealed query partition."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from photon.audit import audit, pipelines_in
+from photon.generator import GeneratorSettings, generate
+from photon.joiner import Joiner, JoinSettings
+from photon.layout import log_path
+from photon.query_index import REASON_QUERY_GC
+from photon.registry import read_layout
+from photon.registry_admin import advance_gc_threshold, init_registry
+
+US = 1_000_000
+HOUR_US = 3_600 * US
+
+
+def test_hourly_backfills_join_late_clicks_across_hours(tmp_path: Path, servers: dict[str, str], spark: Any) -> None:
+    """Three hours of history with many late clicks (up to an hour after their query), backfilled hour by hour as
+    photon_backfill runs them (dc-a's window, then dc-b's): nothing lost, nothing twice. Before the shared index a
+    window read queries from only 240 s before its start, and every click more than that after its query, in the
+    hour after its query's, was given up as "query not found"."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    h0 = (int(time.time()) // 3_600 - 5) * HOUR_US
+    settings = GeneratorSettings(
+        events_per_s=0.6,
+        query_servers=2,
+        click_servers=2,
+        clicks_per_query=0.5,
+        late_click_fraction=0.3,
+        rotate_s=60,
+        chunk_s=60,
+        malformed_fraction=0.0,
+    )
+    generate(settings, logs, start_us=h0, end_us=h0 + 3 * HOUR_US)
+    built: dict[tuple[int, str], dict[str, Any]] = {}
+    took: dict[tuple[int, str], float] = {}
+    for h in range(3):
+        for dc in ("dc-a", "dc-b"):
+            t0 = time.monotonic()
+            window = h0 + h * HOUR_US
+            name = f"backfill-{dc}-{datetime.fromtimestamp(window / US, UTC):%Y%m%d%H%M}"
+            s = JoinSettings(window_start_us=window, window_end_us=window + HOUR_US, trigger_interval_s=0.1)
+            joiner = Joiner(dc, logs, out, servers, spark, s, pipeline=name)
+            joiner.run(until_caught_up=True, drain=True)
+            joiner.release()
+            built[h, dc], took[h, dc] = joiner.index_stats, time.monotonic() - t0
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.lost == 0 and report.duplicate_clicks == 0, (report.failures(), report.unjoinable_by_reason)
+    assert report.ok, report.failures()
+    # Every reader of the output skips the shared index's folder; each replica has its own index.
+    assert "_query_index" not in pipelines_in(out) and sorted(os.listdir(out / "_query_index")) == ["dc-a", "dc-b"]
+    # Each sealed query partition is parsed once per replica: a later hour parses only what arrived since.
+    for dc in ("dc-a", "dc-b"):
+        assert built[0, dc]["already"] == 0 and built[0, dc]["indexed"] > 0
+        for h in (1, 2):
+            assert built[h, dc]["already"] == sum(built[i, dc]["indexed"] for i in range(h)), built
+            assert 0 < built[h, dc]["indexed"] <= 60 + 5, built  # an hour's minutes, and the join delay's few
+    print(f"outcomes {report.outcomes}; unjoinable {report.unjoinable_by_reason}; index {built}; seconds {took}")
+
+
+def _query(ts: int) -> bytes:
+    ad = {"ad_id": "a1", "advertiser_id": "adv1", "bid_micros": 1}
+    q = {"query_id": f"10.0.0.1-7-{ts}", "ts_us": ts, "user_id": "u", "query_text": "q", "country": "DE", "ads": [ad]}
+    return json.dumps(q).encode() + b"\n"
+
+
+def _click(ts: int, query_ts: int) -> bytes:
+    c = {"click_id": f"10.0.0.2-8-{ts}", "ts_us": ts, "query_id": f"10.0.0.1-7-{query_ts}", "ad_id": "a1"}
+    return json.dumps(c).encode() + b"\n"
+
+
+def _write(logs: Path, kind: str, name: str, arrival_us: int, data: bytes) -> None:
+    path = log_path(logs, "dc-a", kind, name, arrival_us)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_live_store_pruned_behind_the_horizon_and_older_queries_unjoinable(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str], spark: Any
+) -> None:
+    """A live pipeline stores two queries; GC moves the registry's horizon between them. At its next lease the
+    pipeline's EventStore keeps only what is at or after the horizon minus the clock skew; a click on the recent query
+    is joined (its lookup still hits), a click on the older one is unjoinable with the horizon as its reason (before,
+    the store kept every query forever and joined it)."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=2)
+    servers, gc = {"main": login_as(dsn, "photon_joiner")}, {"main": login_as(dsn, "photon_gc")}
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time()) * US
+    old = (now - 1_200 * US) // (10 * US) * (10 * US)  # a bucket's first microsecond
+    recent = old + 60 * US
+    _write(logs, "queries", "10.0.0.1-7-1.jsonl", old + 1 * US, _query(old) + _query(recent))
+    settings = JoinSettings(trigger_interval_s=0.1)
+    first = Joiner("dc-a", logs, out, servers, spark, settings)
+    first.run(until_caught_up=True, drain=True)
+    first.release()
+    store = out / "dc-a" / "_state" / "eventstore"
+    assert {p.name for p in store.iterdir()} == {f"bucket={old // (10 * US)}", f"bucket={recent // (10 * US)}"}
+
+    horizon = old + 30 * US  # between the two queries, and more than the skew after the older one
+    layout, _ = read_layout(gc["main"])
+    for ref in layout.shards():
+        assert advance_gc_threshold(gc, ref, horizon) == horizon
+    _write(logs, "clicks", "10.0.0.2-8-1.jsonl", now, _click(now - 2 * US, old) + _click(now - 1 * US, recent))
+    second = Joiner("dc-a", logs, out, servers, spark, settings)
+    second.run(until_caught_up=True, drain=True)
+    second.release()
+
+    joined = pq.read_table(out / "dc-a" / "joined").to_pylist()
+    unjoinable = pq.read_table(out / "dc-a" / "unjoinable").to_pylist()
+    assert [(r["click_id"], r["query_ts_us"]) for r in joined] == [(f"10.0.0.2-8-{now - 1 * US}", recent)]
+    assert [(r["click_id"], r["reason"]) for r in unjoinable] == [(f"10.0.0.2-8-{now - 2 * US}", REASON_QUERY_GC)]
+    assert {p.name for p in store.iterdir()} == {f"bucket={recent // (10 * US)}"}
+    assert second.horizon_us == horizon
