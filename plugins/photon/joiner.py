@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -311,26 +312,26 @@ class _Task:
     max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
     clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
     settle_s: float = SETTLE_S
+    # "<kind>/<file>" -> [size, mtime_ns]: torn or empty files the driver saw unchanged for ``settle_s``, to be read
+    # only exactly so (``read_whole``)
+    settled: dict[str, list[int]] = field(default_factory=dict)
 
 
-def settled(path: Path, st: os.stat_result, settle_s: float) -> bool:
-    """Whether a closed file listed with ``st`` may be read now: it ends with a newline, or it has not changed for
-    ``settle_s`` (by this host's clock against the file's modification time). Empty or torn-tailed and younger than
-    that, it is probably a copy still being written (EVENTS.md, "Closed files")."""
-    if time.time() - st.st_mtime_ns / 1e9 >= settle_s:
-        return True
+def ends_whole(path: Path, st: os.stat_result) -> bool:
+    """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
     if st.st_size == 0:
         return False
     with open(path, "rb") as fh:
         return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
 
 
-def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple[bytes | None, int, int]:
+def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int]:
     """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
-    modification time moved while it was read, or it is empty or ends without a newline and changed less than
-    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled), or it is gone
-    (moved away since it was listed: listed again wherever it lands). The reader's side of EVENTS.md's rule "a closed
-    file is whole and never changes"; the driver's listing checks the same before a batch (``settled``)."""
+    modification time moved while it was read, or it is empty or ends without a newline and is not exactly as the
+    driver saw it settle (``settled_as``: (size, mtime_ns), ``Joiner._settled``: a copy still being written; a
+    writer's torn tail is taken once it has settled), or it is gone (moved away since it was listed: listed again
+    wherever it lands). The reader's side of EVENTS.md's rule "a closed file is whole and never changes". Never by
+    the age of its modification time: that is the file server's clock, up to the maximum skew off this host's."""
     try:
         before = os.stat(path)
         content = path.read_bytes()
@@ -340,8 +341,7 @@ def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple
     size, mtime = after.st_size, after.st_mtime_ns
     if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
         return None, size, mtime
-    age = (time.time() if now_s is None else now_s) - mtime / 1e9
-    if not content.endswith(b"\n") and age < settle_s:
+    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) != (size, mtime)):
         return None, size, mtime
     return content, size, mtime
 
@@ -393,7 +393,8 @@ def _source_task(
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
-            whole, size, mtime = read_whole(path, t.settle_s)
+            as_seen = t.settled.get(f"{kind}/{rel}")
+            whole, size, mtime = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
             if whole is None:  # still being written: not consumed now, listed and read again by a later batch
                 log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
                 skipped.append([kind, rel])
@@ -658,6 +659,10 @@ class Joiner:
         # reported once (``_changed``, quarantined by the next batch), never silently left half read.
         self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
         self._changed: list[dict[str, Any]] = []
+        # Files seen torn or empty: (size, mtime_ns, monotonic time first seen so), and those seen settle (``_settled``)
+        self._seen: dict[tuple[str, str], tuple[int, int, float]] = {}
+        self._settled_as: dict[tuple[str, str], tuple[int, int]] = {}
+        self._not_files: set[tuple[str, str]] = set()
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -954,6 +959,9 @@ class Joiner:
         sealed and left with nothing to consume."""
         sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
+        seen: dict[tuple[str, str], tuple[int, int, float]] = {}
+        self._settled_as = {}
+
         def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
             new, settling = [], []
@@ -963,10 +971,19 @@ class Joiner:
                     continue
                 try:
                     st = os.stat(folder / f.rel)
-                    if not settled(folder / f.rel, st, self.s.settle_s):
+                    if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
+                        if (kind, f.rel) not in self._not_files:
+                            self._not_files.add((kind, f.rel))
+                            log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
+                        continue
+                    if not self._settled(kind, f.rel, folder / f.rel, st, seen):
                         settling.append(f.rel)  # a copy still being written: no batch for it yet
                         continue
                 except FileNotFoundError:
+                    continue
+                except OSError as exc:  # unreadable now (permissions, a stale NFS handle): held, and said
+                    log.error("%s: %s/%s cannot be read yet: %s", self.pipeline, kind, f.rel, exc)
+                    settling.append(f.rel)
                     continue
                 new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
             chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
@@ -980,7 +997,27 @@ class Joiner:
             self._next_marks[kind] = mark if self.marks[kind] is None else max(mark, self.marks[kind] or "")
             return chosen
 
-        return listing("queries", None), listing("clicks", self.s.max_click_files)
+        found = listing("queries", None), listing("clicks", self.s.max_click_files)
+        self._seen = seen  # only files still settling: bounded by them, not by every file ever listed
+        return found
+
+    def _settled(self, kind: str, rel: str, path: Path, st: os.stat_result, seen: dict[Any, Any]) -> bool:
+        """Whether a listed file may be read now: it ends with a newline (whole: at once), or this lease has seen it
+        with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
+        copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
+        the maximum skew off this host's, either way, or set by ``touch -d``. A settled torn file is read only as
+        seen (``_Task.settled``)."""
+        if ends_whole(path, st):
+            return True
+        now = time.monotonic()
+        size, mtime, since = self._seen.get((kind, rel), (-1, -1, now))
+        if (size, mtime) != (st.st_size, st.st_mtime_ns):
+            since = now
+        if now - since >= self.s.settle_s:
+            self._settled_as[(kind, rel)] = (st.st_size, st.st_mtime_ns)
+            return True
+        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since)
+        return False
 
     def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
         """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
@@ -1062,6 +1099,7 @@ class Joiner:
             max_clock_skew_us=int(self.s.max_clock_skew_s * US),
             clock_offset_us=self.clock.offset.offset_us,
             settle_s=self.s.settle_s,
+            settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self._settled_as.items()},
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
