@@ -325,8 +325,8 @@ def ends_whole(path: Path, st: os.stat_result) -> bool:
         return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
 
 
-def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int]:
-    """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
+def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int, int]:
+    """(content, size, mtime_ns, inode) of a closed log file, content None while the file is still changing: its size or
     modification time moved while it was read, or it is empty or ends without a newline and is not exactly as the
     driver saw it settle (``settled_as``: (size, mtime_ns), ``Joiner._settled``: a copy still being written; a
     writer's torn tail is taken once it has settled), or it is gone (moved away since it was listed: listed again
@@ -337,17 +337,18 @@ def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[b
         content = path.read_bytes()
         after = os.stat(path)
     except FileNotFoundError:
-        return None, 0, 0
-    size, mtime = after.st_size, after.st_mtime_ns
-    if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
-        return None, size, mtime
+        return None, 0, 0, 0
+    size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
+    if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
+        return None, size, mtime, ino
     if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) != (size, mtime)):
-        return None, size, mtime
-    return content, size, mtime
+        return None, size, mtime, ino
+    return content, size, mtime, ino
 
 
 def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
-    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime) read."""
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime, inode)
+    as read."""
     path = stage / READ_MARKERS / f"{name}.json"
     make_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -355,15 +356,16 @@ def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: d
     os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
 
 
-def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, int]]]:
-    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime)})."""
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime,
+    inode)})."""
     skipped: set[tuple[str, str]] = set()
-    read: dict[tuple[str, str], tuple[int, int]] = {}
+    read: dict[tuple[str, str], tuple[int, ...]] = {}
     folder = stage / READ_MARKERS
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         marker = json.loads(path.read_text())
         skipped.update((k, n) for k, n in marker["skipped"])
-        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): (sz, mt) for k, (sz, mt) in marker["read"].items()})
+        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
     return skipped, read
 
 
@@ -394,12 +396,12 @@ def _source_task(
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
             as_seen = t.settled.get(f"{kind}/{rel}")
-            whole, size, mtime = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
+            whole, size, mtime, ino = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
             if whole is None:  # still being written: not consumed now, listed and read again by a later batch
                 log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
                 skipped.append([kind, rel])
                 continue
-            read[f"{kind}/{rel}"] = [size, mtime]
+            read[f"{kind}/{rel}"] = [size, mtime, ino]  # the inode: a file replaced by a rename is another
             content = whole
             try:
                 good, bad, offsets, lengths = parse_file_located(rel, content, kind)
@@ -657,7 +659,7 @@ class Joiner:
         self._first_ts: dict[Path, int] = {}
         # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
         # reported once (``_changed``, quarantined by the next batch), never silently left half read.
-        self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._read_sizes: dict[tuple[str, str], tuple[int, ...]] = {}
         self._changed: list[dict[str, Any]] = []
         # Files seen torn or empty: (size, mtime_ns, monotonic time first seen so), and those seen settle (``_settled``)
         self._seen: dict[tuple[str, str], tuple[int, int, float]] = {}
@@ -1030,11 +1032,16 @@ class Joiner:
             st = os.stat(folder / rel)
         except FileNotFoundError:
             return
-        if (st.st_size, st.st_mtime_ns) == seen:
+        if (st.st_size, st.st_mtime_ns, st.st_ino) == seen:
             return
         del self._read_sizes[(kind, rel)]  # reported once
         size = seen[0]
-        if st.st_size > size:
+        if st.st_ino != seen[2]:  # another file renamed into its place: none of it read
+            with open(folder / rel, "rb") as fh:
+                raw = fh.read(RAW_CAP_BYTES)
+            size = 0
+            what = f"replaced by another file after it was consumed (its {st.st_size} bytes never read)"
+        elif st.st_size > size:
             with open(folder / rel, "rb") as fh:
                 fh.seek(size)
                 raw = fh.read(RAW_CAP_BYTES)
