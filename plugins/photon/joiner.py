@@ -317,6 +317,9 @@ class _Task:
     settled: dict[str, list[int]] = field(default_factory=dict)
 
 
+AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
+
+
 def ends_whole(path: Path, st: os.stat_result) -> bool:
     """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
     if st.st_size == 0:
@@ -341,7 +344,7 @@ def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[b
     size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
     if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
         return None, size, mtime, ino
-    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) != (size, mtime)):
+    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) not in ((size, mtime), AS_IT_IS)):
         return None, size, mtime, ino
     return content, size, mtime, ino
 
@@ -661,8 +664,9 @@ class Joiner:
         # reported once (``_changed``, quarantined by the next batch), never silently left half read.
         self._read_sizes: dict[tuple[str, str], tuple[int, ...]] = {}
         self._changed: list[dict[str, Any]] = []
-        # Files seen torn or empty: (size, mtime_ns, monotonic time first seen so), and those seen settle (``_settled``)
-        self._seen: dict[tuple[str, str], tuple[int, int, float]] = {}
+        # Files seen torn or empty: (size, mtime_ns, monotonic time seen so since, first seen changing), and those
+        # seen settle (``_settled``)
+        self._seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
         self._settled_as: dict[tuple[str, str], tuple[int, int]] = {}
         self._not_files: set[tuple[str, str]] = set()
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
@@ -961,7 +965,7 @@ class Joiner:
         sealed and left with nothing to consume."""
         sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
-        seen: dict[tuple[str, str], tuple[int, int, float]] = {}
+        seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
         self._settled_as = {}
 
         def listing(kind: str, cap: int | None) -> list[str]:
@@ -1008,18 +1012,26 @@ class Joiner:
         with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
         copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
         the maximum skew off this host's, either way, or set by ``touch -d``. A settled torn file is read only as
-        seen (``_Task.settled``)."""
+        seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60 s) since first seen so is
+        taken as it is then, with a logged error: waiting longer would hold the listing mark back for good (every
+        batch listing every partition since); what it gains after is reported as a consumed file's change."""
         if ends_whole(path, st):
             return True
         now = time.monotonic()
-        size, mtime, since = self._seen.get((kind, rel), (-1, -1, now))
+        size, mtime, since, first = self._seen.get((kind, rel), (-1, -1, now, now))
         if (size, mtime) != (st.st_size, st.st_mtime_ns):
             since = now
-        if now - since >= self.s.settle_s:
-            self._settled_as[(kind, rel)] = (st.st_size, st.st_mtime_ns)
-            return True
-        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since)
-        return False
+        overdue = now - first >= self.s.seal_s
+        if now - since >= self.s.settle_s or overdue:
+            if overdue and now - since < self.s.settle_s:
+                log.error(
+                    "%s: %s/%s still changing %.0f s after it was first listed (%d bytes now): taken as it is; a "
+                    "closed file must be renamed into place whole (EVENTS.md)",
+                    self.pipeline, kind, rel, now - first, st.st_size,
+                )  # fmt: skip
+            self._settled_as[(kind, rel)] = AS_IT_IS if overdue else (st.st_size, st.st_mtime_ns)
+        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since, first)  # kept while listed (taken, not consumed yet)
+        return (kind, rel) in self._settled_as
 
     def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
         """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from photon.clock import ServerClock
 from photon.joiner import Joiner, JoinSettings
@@ -113,7 +114,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     assert taken == [f"{new_part}/whole.jsonl"]  # settled.jsonl's old mtime proves nothing (the file server's clock)
     # settled.jsonl as this reader first saw it 6 s ago, unchanged since: taken
     key = ("clicks", f"{new_part}/settled.jsonl")
-    joiner._seen[key] = (*joiner._seen[key][:2], joiner._seen[key][2] - 6)
+    joiner._seen[key] = (*joiner._seen[key][:2], joiner._seen[key][2] - 6, joiner._seen[key][3])
     _, taken = joiner._new_files()
     assert sorted(taken) == [f"{new_part}/settled.jsonl", f"{new_part}/whole.jsonl"]
     assert joiner._next_marks["clicks"] == old_part  # torn.jsonl is listed again
@@ -199,3 +200,44 @@ def test_a_directory_or_unreadable_entry_named_like_a_log_file_is_skipped_not_a_
     joiner = _joiner(tmp_path)
     assert joiner._new_files()[1] == [f"{part}/good.jsonl"]
     assert joiner._next_marks["clicks"] != part
+
+
+def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is_taken_and_said(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """Review: a torn file that keeps changing (a writer appending to a closed name for good) held its kind's listing
+    mark back for good, silently: every batch listed every partition since, and stat-ed every file consumed since
+    (``_check_consumed``), a cost growing without bound. Now, once seen changing for longer than the seal bound, it
+    is taken as it is then, with a logged error; whatever it gains after is reported as a consumed file's change."""
+    import logging
+
+    part = "20250101/0000"
+    clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
+    clicks.mkdir(parents=True)
+    growing = clicks / "growing.jsonl"
+    growing.write_bytes(b'{"a"')
+    joiner = _joiner(tmp_path, settle_s=5.0)
+    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part
+    with open(growing, "ab") as fh:
+        fh.write(b": 1")
+    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part  # changed: waits again
+    key = ("clicks", f"{part}/growing.jsonl")  # as if first seen changing the seal bound ago, and since
+    joiner._seen[key] = (*joiner._seen[key][:3], joiner._seen[key][3] - joiner.s.seal_s)
+    with open(growing, "ab") as fh:
+        fh.write(b"}")
+    with caplog.at_level(logging.ERROR, logger="photon.joiner"):
+        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
+    assert joiner._next_marks["clicks"] != part
+    assert "still changing" in caplog.text and "growing.jsonl" in caplog.text
+    # The task reads it as it is then, even changed since the listing (it may never stop), once stable during the read
+    from photon.joiner import read_whole
+
+    t = joiner._task("t", 0, tmp_path / "stage", 0)
+    with open(growing, "ab") as fh:
+        fh.write(b"\n{")
+    as_listed = t.settled[f"clicks/{part}/growing.jsonl"]
+    assert read_whole(growing, (as_listed[0], as_listed[1]))[0] == b'{"a": 1}\n{'
+    caplog.clear()  # listed again (the task left it, say): still taken at once, said again
+    with caplog.at_level(logging.ERROR, logger="photon.joiner"):
+        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
+    assert "still changing" in caplog.text
