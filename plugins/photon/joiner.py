@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.clock import ClockSkewError, ServerClock
 from photon.durable import check_parquet, fsync_dir, make_dirs
-from photon.eventstore import RECOVER_STORE, index_rows, read_store_file
+from photon.eventstore import RECOVER_STORE, index_rows, open_regular, read_store_file
 from photon.layout import list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import (
     BAD_FIELDS,
@@ -337,9 +337,13 @@ def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[b
     the age of its modification time: that is the file server's clock, up to the maximum skew off this host's."""
     try:
         before = os.stat(path)
-        content = path.read_bytes()
+        with open_regular(path) as fh:  # a named pipe in its place: an error, never a task blocked for good
+            content = fh.read()
         after = os.stat(path)
     except FileNotFoundError:
+        return None, 0, 0, 0
+    except OSError as exc:  # not a regular file (any more), unreadable: left, and listed again
+        log.error("%s: cannot be read: %s", path, exc)
         return None, 0, 0, 0
     size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
     if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
@@ -1048,18 +1052,18 @@ class Joiner:
             return
         del self._read_sizes[(kind, rel)]  # reported once
         size = seen[0]
+        raw = b""
         if st.st_ino != seen[2]:  # another file renamed into its place: none of it read
-            with open(folder / rel, "rb") as fh:
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
                 raw = fh.read(RAW_CAP_BYTES)
             size = 0
             what = f"replaced by another file after it was consumed (its {st.st_size} bytes never read)"
         elif st.st_size > size:
-            with open(folder / rel, "rb") as fh:
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
                 fh.seek(size)
                 raw = fh.read(RAW_CAP_BYTES)
             what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
         else:
-            raw = b""
             what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
         reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
         log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)

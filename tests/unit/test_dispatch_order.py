@@ -184,10 +184,11 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     assert f"{part}/behind.jsonl" not in joiner._new_files()[1]
 
 
-def test_a_directory_or_unreadable_entry_named_like_a_log_file_is_skipped_not_a_crash(tmp_path: Path) -> None:
+def test_a_directory_or_a_named_pipe_named_like_a_log_file_is_skipped_not_a_crash(tmp_path: Path) -> None:
     """Review: a directory named ``x.jsonl`` in a partition (``mkdir``, a botched ``cp -r``) made every listing raise
-    (IsADirectoryError while checking its last byte) or, once old, every batch's task: the pipeline stalled for good.
-    Now it is not a log file: logged, skipped, and the mark moves past it once sealed."""
+    (IsADirectoryError while checking its last byte) or, once old, every batch's task: the pipeline stalled for good;
+    a named pipe blocked the listing in ``open`` for good. Now neither is a log file: logged, skipped, and the mark
+    moves past it once sealed; the task's read of one is an error, never a hang."""
     import time
 
     part = "20250101/0000"
@@ -197,9 +198,13 @@ def test_a_directory_or_unreadable_entry_named_like_a_log_file_is_skipped_not_a_
     past = time.time() - 3600
     os.utime(clicks / "old.jsonl", (past, past))
     (clicks / "good.jsonl").write_bytes(b'{"a": 1}\n')
+    os.mkfifo(clicks / "pipe.jsonl")  # opening it to read its last byte would block for good
     joiner = _joiner(tmp_path)
     assert joiner._new_files()[1] == [f"{part}/good.jsonl"]
     assert joiner._next_marks["clicks"] != part
+    from photon.joiner import read_whole
+
+    assert read_whole(clicks / "pipe.jsonl")[0] is None and read_whole(clicks / "old.jsonl")[0] is None  # no hang
 
 
 def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is_taken_and_said(
