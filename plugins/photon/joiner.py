@@ -320,7 +320,7 @@ class _Task:
 AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
 
 
-def ends_whole(path: Path, st: os.stat_result) -> bool:
+def ends_whole(path: str | Path, st: os.stat_result) -> bool:
     """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
     if st.st_size == 0:
         return False
@@ -673,6 +673,7 @@ class Joiner:
         self._seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
         self._settled_as: dict[tuple[str, str], tuple[int, int]] = {}
         self._not_files: set[tuple[str, str]] = set()
+        self._whole: dict[tuple[str, str], tuple[int, int, int]] = {}  # listed, not consumed, seen whole: as stat-ed
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -970,6 +971,7 @@ class Joiner:
         sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
         seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+        whole: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._settled_as = {}
 
         def listing(kind: str, cap: int | None) -> list[str]:
@@ -980,13 +982,14 @@ class Joiner:
                     self._check_consumed(kind, folder, f.rel)
                     continue
                 try:
-                    st = os.stat(folder / f.rel)
+                    path = os.path.join(folder, f.rel)  # a str: a Path per file is most of a backlog's listing time
+                    st = os.stat(path)
                     if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
                         if (kind, f.rel) not in self._not_files:
                             self._not_files.add((kind, f.rel))
                             log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
                         continue
-                    if not self._settled(kind, f.rel, folder / f.rel, st, seen):
+                    if not self._settled(kind, f.rel, path, st, seen, whole):
                         settling.append(f.rel)  # a copy still being written: no batch for it yet
                         continue
                 except FileNotFoundError:
@@ -1008,10 +1011,12 @@ class Joiner:
             return chosen
 
         found = listing("queries", None), listing("clicks", self.s.max_click_files)
-        self._seen = seen  # only files still settling: bounded by them, not by every file ever listed
+        self._seen, self._whole = seen, whole  # only files listed now: bounded by them, not every file ever listed
         return found
 
-    def _settled(self, kind: str, rel: str, path: Path, st: os.stat_result, seen: dict[Any, Any]) -> bool:
+    def _settled(
+        self, kind: str, rel: str, path: str, st: os.stat_result, seen: dict[Any, Any], whole: dict[Any, Any]
+    ) -> bool:
         """Whether a listed file may be read now: it ends with a newline (whole: at once), or this lease has seen it
         with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
         copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
@@ -1019,7 +1024,9 @@ class Joiner:
         seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60 s) since first seen so is
         taken as it is then, with a logged error: waiting longer would hold the listing mark back for good (every
         batch listing every partition since); what it gains after is reported as a consumed file's change."""
-        if ends_whole(path, st):
+        sig = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._whole.get((kind, rel)) == sig or ends_whole(path, st):
+            whole[(kind, rel)] = sig  # not opened again while it stays so (a backlog is listed at every batch)
             return True
         now = time.monotonic()
         size, mtime, since, first = self._seen.get((kind, rel), (-1, -1, now, now))
