@@ -21,9 +21,11 @@ Stores written before the index (``.parquet`` files holding whole queries) are s
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
@@ -186,7 +188,7 @@ class EventStoreCache:
             at = order[np.searchsorted(codes[order], code) : np.searchsorted(codes[order], code, side="right")]
             path = self.logs / names[code]
             try:
-                with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                with open_regular(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     for i, o, ln in zip(at.tolist(), offsets[at].tolist(), lengths[at].tolist(), strict=True):
                         lines[i] = _indexed_line(mm, o, ln)
             except (OSError, ValueError) as exc:  # gone, or emptied (mmap refuses an empty file)
@@ -257,6 +259,19 @@ class EventStoreCache:
 
     def rows(self) -> int:
         return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file; OSError otherwise. Never blocks: a named pipe put in a
+    log file's place would make a plain ``open`` wait for a writer for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _indexed_line(mm: mmap.mmap, offset: int, length: int) -> bytes:

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -46,7 +47,7 @@ import pyarrow.compute as pc
 from photon.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.clock import ClockSkewError, ServerClock
 from photon.durable import check_parquet, fsync_dir, make_dirs
-from photon.eventstore import RECOVER_STORE, index_rows, read_store_file
+from photon.eventstore import RECOVER_STORE, index_rows, open_regular, read_store_file
 from photon.ids import valid_ids
 from photon.layout import list_closed, part_of_name, partition_of, sealed_before
 from photon.parse import (
@@ -319,43 +320,50 @@ class _Task:
     horizon_us: int | None = None
     # A backfill's second place to look: the data center's shared query index (<out>/_query_index/<dc>).
     shared_index: str | None = None
+    # "<kind>/<file>" -> [size, mtime_ns]: torn or empty files the driver saw unchanged for ``settle_s``, to be read
+    # only exactly so (``read_whole``)
+    settled: dict[str, list[int]] = field(default_factory=dict)
 
 
-def settled(path: Path, st: os.stat_result, settle_s: float) -> bool:
-    """Whether a closed file listed with ``st`` may be read now: it ends with a newline, or it has not changed for
-    ``settle_s`` (by this host's clock against the file's modification time). Empty or torn-tailed and younger than
-    that, it is probably a copy still being written (EVENTS.md, "Closed files")."""
-    if time.time() - st.st_mtime_ns / 1e9 >= settle_s:
-        return True
+AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
+
+
+def ends_whole(path: str | Path, st: os.stat_result) -> bool:
+    """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
     if st.st_size == 0:
         return False
     with open(path, "rb") as fh:
         return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
 
 
-def read_whole(path: Path, settle_s: float, now_s: float | None = None) -> tuple[bytes | None, int, int]:
-    """(content, size, mtime_ns) of a closed log file, content None while the file is still changing: its size or
-    modification time moved while it was read, or it is empty or ends without a newline and changed less than
-    ``settle_s`` ago (a copy still being written; a writer's torn tail is taken once it has settled), or it is gone
-    (moved away since it was listed: listed again wherever it lands). The reader's side of EVENTS.md's rule "a closed
-    file is whole and never changes"; the driver's listing checks the same before a batch (``settled``)."""
+def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int, int]:
+    """(content, size, mtime_ns, inode) of a closed log file, content None while the file is still changing: its size or
+    modification time moved while it was read, or it is empty or ends without a newline and is not exactly as the
+    driver saw it settle (``settled_as``: (size, mtime_ns), ``Joiner._settled``: a copy still being written; a
+    writer's torn tail is taken once it has settled), or it is gone (moved away since it was listed: listed again
+    wherever it lands). The reader's side of EVENTS.md's rule "a closed file is whole and never changes". Never by
+    the age of its modification time: that is the file server's clock, up to the maximum skew off this host's."""
     try:
         before = os.stat(path)
-        content = path.read_bytes()
+        with open_regular(path) as fh:  # a named pipe in its place: an error, never a task blocked for good
+            content = fh.read()
         after = os.stat(path)
     except FileNotFoundError:
-        return None, 0, 0
-    size, mtime = after.st_size, after.st_mtime_ns
-    if (before.st_size, before.st_mtime_ns) != (size, mtime) or len(content) != size:
-        return None, size, mtime
-    age = (time.time() if now_s is None else now_s) - mtime / 1e9
-    if not content.endswith(b"\n") and age < settle_s:
-        return None, size, mtime
-    return content, size, mtime
+        return None, 0, 0, 0
+    except OSError as exc:  # not a regular file (any more), unreadable: left, and listed again
+        log.error("%s: cannot be read: %s", path, exc)
+        return None, 0, 0, 0
+    size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
+    if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
+        return None, size, mtime, ino
+    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) not in ((size, mtime), AS_IT_IS)):
+        return None, size, mtime, ino
+    return content, size, mtime, ino
 
 
 def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
-    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime) read."""
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime, inode)
+    as read."""
     path = stage / READ_MARKERS / f"{name}.json"
     make_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -363,15 +371,16 @@ def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: d
     os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
 
 
-def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, int]]]:
-    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime)})."""
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime,
+    inode)})."""
     skipped: set[tuple[str, str]] = set()
-    read: dict[tuple[str, str], tuple[int, int]] = {}
+    read: dict[tuple[str, str], tuple[int, ...]] = {}
     folder = stage / READ_MARKERS
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         marker = json.loads(path.read_text())
         skipped.update((k, n) for k, n in marker["skipped"])
-        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): (sz, mt) for k, (sz, mt) in marker["read"].items()})
+        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
     return skipped, read
 
 
@@ -401,12 +410,13 @@ def _source_task(
                 yield from pq.read_table(path, schema=CANDIDATE).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
-            whole, size, mtime = read_whole(path, t.settle_s)
+            as_seen = t.settled.get(f"{kind}/{rel}")
+            whole, size, mtime, ino = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
             if whole is None:  # still being written: not consumed now, listed and read again by a later batch
                 log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
                 skipped.append([kind, rel])
                 continue
-            read[f"{kind}/{rel}"] = [size, mtime]
+            read[f"{kind}/{rel}"] = [size, mtime, ino]  # the inode: a file replaced by a rename is another
             content = whole
             try:
                 good, bad, offsets, lengths = parse_file_located(rel, content, kind)
@@ -695,11 +705,17 @@ class Joiner:
         self._first_ts: dict[Path, int] = {}
         # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
         # reported once (``_changed``, quarantined by the next batch), never silently left half read.
-        self._read_sizes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._read_sizes: dict[tuple[str, str], tuple[int, ...]] = {}
         self._changed: list[dict[str, Any]] = []
         self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
         self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
         self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
+        # Files seen torn or empty: (size, mtime_ns, monotonic time seen so since, first seen changing), and those
+        # seen settle (``_settled``)
+        self._seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+        self._settled_as: dict[tuple[str, str], tuple[int, int]] = {}
+        self._not_files: set[tuple[str, str]] = set()
+        self._whole: dict[tuple[str, str], tuple[int, int, int]] = {}  # listed, not consumed, seen whole: as stat-ed
         self.parallelism = max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism))
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 
@@ -1033,6 +1049,10 @@ class Joiner:
         sealed and left with nothing to consume."""
         sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
+        seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+        whole: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self._settled_as = {}
+
         def listing(kind: str, cap: int | None) -> list[str]:
             folder = self.logs / self.dc / kind
             new, settling = [], []
@@ -1041,11 +1061,21 @@ class Joiner:
                     self._check_consumed(kind, folder, f.rel)
                     continue
                 try:
-                    st = os.stat(folder / f.rel)
-                    if not settled(folder / f.rel, st, self.s.settle_s):
+                    path = os.path.join(folder, f.rel)  # a str: a Path per file is most of a backlog's listing time
+                    st = os.stat(path)
+                    if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
+                        if (kind, f.rel) not in self._not_files:
+                            self._not_files.add((kind, f.rel))
+                            log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
+                        continue
+                    if not self._settled(kind, f.rel, path, st, seen, whole):
                         settling.append(f.rel)  # a copy still being written: no batch for it yet
                         continue
                 except FileNotFoundError:
+                    continue
+                except OSError as exc:  # unreadable now (permissions, a stale NFS handle): held, and said
+                    log.error("%s: %s/%s cannot be read yet: %s", self.pipeline, kind, f.rel, exc)
+                    settling.append(f.rel)
                     continue
                 new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
             chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
@@ -1059,7 +1089,39 @@ class Joiner:
             self._next_marks[kind] = mark if self.marks[kind] is None else max(mark, self.marks[kind] or "")
             return chosen
 
-        return listing("queries", None), listing("clicks", self.s.max_click_files)
+        found = listing("queries", None), listing("clicks", self.s.max_click_files)
+        self._seen, self._whole = seen, whole  # only files listed now: bounded by them, not every file ever listed
+        return found
+
+    def _settled(
+        self, kind: str, rel: str, path: str, st: os.stat_result, seen: dict[Any, Any], whole: dict[Any, Any]
+    ) -> bool:
+        """Whether a listed file may be read now: it ends with a newline (whole: at once), or this lease has seen it
+        with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
+        copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
+        the maximum skew off this host's, either way, or set by ``touch -d``. A settled torn file is read only as
+        seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60 s) since first seen so is
+        taken as it is then, with a logged error: waiting longer would hold the listing mark back for good (every
+        batch listing every partition since); what it gains after is reported as a consumed file's change."""
+        sig = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._whole.get((kind, rel)) == sig or ends_whole(path, st):
+            whole[(kind, rel)] = sig  # not opened again while it stays so (a backlog is listed at every batch)
+            return True
+        now = time.monotonic()
+        size, mtime, since, first = self._seen.get((kind, rel), (-1, -1, now, now))
+        if (size, mtime) != (st.st_size, st.st_mtime_ns):
+            since = now
+        overdue = now - first >= self.s.seal_s
+        if now - since >= self.s.settle_s or overdue:
+            if overdue and now - since < self.s.settle_s:
+                log.error(
+                    "%s: %s/%s still changing %.0f s after it was first listed (%d bytes now): taken as it is; a "
+                    "closed file must be renamed into place whole (EVENTS.md)",
+                    self.pipeline, kind, rel, now - first, st.st_size,
+                )  # fmt: skip
+            self._settled_as[(kind, rel)] = AS_IT_IS if overdue else (st.st_size, st.st_mtime_ns)
+        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since, first)  # kept while listed (taken, not consumed yet)
+        return (kind, rel) in self._settled_as
 
     def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
         """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
@@ -1072,17 +1134,22 @@ class Joiner:
             st = os.stat(folder / rel)
         except FileNotFoundError:
             return
-        if (st.st_size, st.st_mtime_ns) == seen:
+        if (st.st_size, st.st_mtime_ns, st.st_ino) == seen:
             return
         del self._read_sizes[(kind, rel)]  # reported once
         size = seen[0]
-        if st.st_size > size:
-            with open(folder / rel, "rb") as fh:
+        raw = b""
+        if st.st_ino != seen[2]:  # another file renamed into its place: none of it read
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
+                raw = fh.read(RAW_CAP_BYTES)
+            size = 0
+            what = f"replaced by another file after it was consumed (its {st.st_size} bytes never read)"
+        elif st.st_size > size:
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
                 fh.seek(size)
                 raw = fh.read(RAW_CAP_BYTES)
             what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
         else:
-            raw = b""
             what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
         reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
         log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)
@@ -1143,6 +1210,7 @@ class Joiner:
             settle_s=self.s.settle_s,
             horizon_us=self.horizon_us,
             shared_index=str(self.shared_index) if self.shared_index is not None else None,
+            settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self._settled_as.items()},
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:

@@ -95,9 +95,13 @@ class PipelineState:
         try:
             with conn.cursor() as cur:
                 cur.execute("SELECT pg_advisory_xact_lock(hashtext('photon.pipeline.' || %s))", (self.pipeline,))
+                # The row first (a stalled lease's commit may hold it for long), then every time as of now, after
+                # the waits (clock_timestamp(), not the transaction's start: a lease written as started before its
+                # wait would be born stale, and the next standby would fence it at once).
+                cur.execute("SELECT 1 FROM photon.pipelines WHERE pipeline = %s FOR UPDATE", (self.pipeline,))
                 cur.execute(
-                    "SELECT lease_owner IS NOT NULL AND now() - heartbeat_at <= make_interval(secs => %s)"
-                    " AND (%s::float8 IS NULL OR now() - lease_started_at <= make_interval(secs => %s))"
+                    "SELECT lease_owner IS NOT NULL AND clock_timestamp() - heartbeat_at <= make_interval(secs => %s)"
+                    " AND (%s::float8 IS NULL OR clock_timestamp() - lease_started_at <= make_interval(secs => %s))"
                     " FROM photon.pipelines WHERE pipeline = %s",
                     (unless_live_within_s or 0.0, overdue_after_s, overdue_after_s or 0.0, self.pipeline),
                 )
@@ -116,8 +120,9 @@ class PipelineState:
                         "INSERT INTO photon.pipelines (pipeline, owner_id) VALUES (%s, %s)", (self.pipeline, owner_id)
                     )
                 cur.execute(
-                    "UPDATE photon.pipelines SET epoch = epoch + 1, lease_owner = %s, lease_started_at = now(),"
-                    " heartbeat_at = now(), updated_at = now() WHERE pipeline = %s"
+                    "UPDATE photon.pipelines SET epoch = epoch + 1, lease_owner = %s,"
+                    " lease_started_at = clock_timestamp(), heartbeat_at = clock_timestamp(), updated_at = now()"
+                    " WHERE pipeline = %s"
                     " RETURNING epoch, owner_id, last_batch",
                     (holder, self.pipeline),
                 )

@@ -178,7 +178,7 @@ def _index_task(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from photon.durable import write_durably
-        from photon.eventstore import index_of, write_index
+        from photon.eventstore import index_of, open_regular, write_index
         from photon.parse import parse_file_located
 
         limit = now_us + int(max_future_s * US)
@@ -188,7 +188,8 @@ def _index_task(
                 tables = []
                 for rel in files:
                     try:
-                        content = (Path(queries) / rel).read_bytes()
+                        with open_regular(Path(queries) / rel) as fh:  # a named pipe must not hang the index
+                            content = fh.read()
                         good, _, offsets, lengths = parse_file_located(rel, content, "queries")
                     except Exception as exc:  # a file gone or a parser bug: the partition is indexed without it
                         log.error("query index: %s/%s not indexed: %r", queries, rel, exc)

@@ -177,3 +177,35 @@ def test_two_standbys_that_time_out_on_one_stuck_lease_fence_it_once(
         stuck.state.heartbeat(lease_stuck)
     stop_stuck.set()
     thread_stuck.join()
+
+
+def test_a_lease_that_waited_on_a_stalled_commit_is_not_born_stale_and_the_next_standby_waits(
+    servers: dict[str, str],
+) -> None:
+    """Review: a stale lease paused in the middle of its commit (a GC pause, SIGSTOP) holds its pipeline row. A standby
+    that fences it waits on that row and then wrote its own lease's start and heartbeat as of its transaction's start
+    (``now()``), before the wait: born stale, so the next standby fenced it at once. Two standbys fenced each other.
+    Now a lease's start and heartbeat are the time it is written, checked after the row is locked."""
+    from photon.pg import connect
+    from photon.pipeline_state import PipelineState
+
+    state = PipelineState(servers["main"], "dc-a")
+    stalled = state.start_lease()
+    assert stalled is not None
+    paused = connect(servers["main"])  # the stalled lease's commit, holding the row
+    with paused.cursor() as cur:
+        cur.execute("UPDATE photon.pipelines SET updated_at = now() WHERE pipeline = 'dc-a'")
+    time.sleep(1.2)  # its heartbeat is stale (1 s)
+    got: list[Lease | None] = []
+    first = threading.Thread(target=lambda: got.append(state.start_lease(unless_live_within_s=1.0)))
+    first.start()
+    time.sleep(1.5)  # the first standby waits on the row all along
+    assert first.is_alive()
+    paused.commit()
+    paused.close()
+    first.join(timeout=10)
+    (lease,) = got
+    assert lease is not None and lease.epoch == stalled.epoch + 1
+    # A moment later, well within its heartbeat's 1 s: the second standby must find it live
+    assert state.start_lease(unless_live_within_s=1.0) is None
+    state.heartbeat(lease)  # still the pipeline's lease (FencedError before)

@@ -4,6 +4,7 @@ chokes on. Each is driven through the joiner's own task functions against a real
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -486,3 +487,40 @@ def test_a_file_the_task_finds_still_changing_is_not_consumed_by_its_batch(
     assert ("clicks", rel) not in j.consumed and ("clicks", rel) not in j.state.consumed()
     assert j.marks["clicks"] is None or j.marks["clicks"] <= rel.rpartition("/")[0]  # listed again
     j.release()
+
+
+def test_a_consumed_file_replaced_by_rename_with_its_size_and_mtime_is_reported(
+    tmp_path: Path, servers: dict[str, str], spark: Any
+) -> None:
+    """Review: a consumed click file replaced by a rename (a re-shipped replica, ``cp -p`` then ``mv``) with the same
+    size and modification time but other clicks looked unchanged: its new clicks were never read, and nothing said
+    so. A different file (inode) in its place is reported like any other change."""
+    from photon.joiner import Joiner, JoinSettings
+    from photon.layout import log_path
+
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    now = int(time.time() * US)
+    target = log_path(logs, "dc-a", "clicks", "10.0.0.1-5-1.jsonl", now)
+    target.parent.mkdir(parents=True)
+    (logs / "dc-a" / "queries").mkdir(parents=True)
+
+    def click(ts: int) -> bytes:
+        c = {"click_id": f"10.0.0.1-5-{ts}", "ts_us": ts, "query_id": f"10.0.0.2-6-{ts - US}", "ad_id": "a1"}
+        return json.dumps(c).encode()
+
+    target.write_bytes(click(now) + b"\n")
+    j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=1))
+    j.run(until_caught_up=True, max_batches=2)
+    rel = target.relative_to(logs / "dc-a" / "clicks").as_posix()
+    assert ("clicks", rel) in j.consumed
+    st = os.stat(target)
+    other = target.with_name(".10.0.0.1-5-1.jsonl.tmp")
+    other.write_bytes(click(now + 1) + b"\n")  # the same length: another click
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, target)
+    assert (os.stat(target).st_size, os.stat(target).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    j.run(until_caught_up=True, max_batches=2)
+    j.release()
+    (record,) = [r for p in out.glob("dc-a/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    assert record["file"] == rel and "closed file changed: replaced by another file" in record["reason"], record
+    assert record["raw"] == click(now + 1) + b"\n" and record["raw_bytes"] == st.st_size

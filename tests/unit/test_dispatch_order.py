@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from photon.clock import ServerClock
 from photon.joiner import Joiner, JoinSettings
@@ -81,7 +82,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     """EVENTS.md's rule for closed files, the reader's side: a fresh file that is empty or ends mid-line (a copy
     still being written) is not taken, and the listing mark stays at its partition so it is listed again; a fresh
     file ending with a newline is taken at once (no settle delay for an honest, renamed file); a torn tail that has
-    not changed for ``settle_s`` is taken (a crashed writer's: its last line is quarantined)."""
+    not changed for ``settle_s`` as this reader saw it is taken (a crashed writer's: its last line is quarantined)."""
     import time
 
     from photon.joiner import read_whole
@@ -110,16 +111,138 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
         clock=ServerClock.assumed(),
     )
     _, taken = joiner._new_files()
+    assert taken == [f"{new_part}/whole.jsonl"]  # settled.jsonl's old mtime proves nothing (the file server's clock)
+    # settled.jsonl as this reader first saw it 6 s ago, unchanged since: taken
+    key = ("clicks", f"{new_part}/settled.jsonl")
+    joiner._seen[key] = (*joiner._seen[key][:2], joiner._seen[key][2] - 6, joiner._seen[key][3])
+    _, taken = joiner._new_files()
     assert sorted(taken) == [f"{new_part}/settled.jsonl", f"{new_part}/whole.jsonl"]
     assert joiner._next_marks["clicks"] == old_part  # torn.jsonl is listed again
     # The task's own check, for a file that changed between the listing and the read.
-    assert read_whole(torn, 5.0)[0] is None and read_whole(empty, 5.0)[0] is None
-    assert read_whole(torn, 5.0, now_s=time.time() + 6)[0] == b'{"a": 1}\n{"a"'
-    assert read_whole(whole, 5.0)[0] == b'{"a": 1}\n'
-    assert read_whole(clicks / "gone.jsonl", 5.0)[0] is None
+    assert read_whole(torn)[0] is None and read_whole(empty)[0] is None
+    st = os.stat(torn)
+    assert read_whole(torn, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'  # as the driver saw it settle
+    assert read_whole(torn, (st.st_size - 1, st.st_mtime_ns))[0] is None  # changed since
+    assert read_whole(whole)[0] == b'{"a": 1}\n'
+    assert read_whole(clicks / "gone.jsonl")[0] is None
     # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
     from photon.joiner import _marks_before
 
     marks = _marks_before({"clicks": new_part, "queries": None}, {("clicks", f"{old_part}/torn.jsonl")})
     assert marks == {"clicks": old_part, "queries": None}
     assert _marks_before({"clicks": old_part}, {("clicks", f"{new_part}/x.jsonl")}) == {"clicks": old_part}
+
+
+def _joiner(tmp_path: Path, **settings: float) -> Joiner:
+    return Joiner(
+        "dc-a",
+        tmp_path / "logs",
+        tmp_path / "out",
+        {"main": "dbname=unused"},
+        None,
+        JoinSettings(parallelism=1, **settings),  # type: ignore[arg-type]
+        clock=ServerClock.assumed(),
+    )
+
+
+def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_time(tmp_path: Path) -> None:
+    """Review: a file's modification time is the file server's clock, which may be ``max_clock_skew`` off the
+    reader's. A copy still being written whose mtime looks 10 s old (the file server behind) was taken at once, its
+    torn tail quarantined and the rest of it never read; a torn file whose mtime is far ahead (``touch -d 2100``)
+    was never taken, and held the listing mark back for good. Now a torn or empty file is taken once this reader has
+    seen it unchanged (size and mtime) for ``settle_s``, whatever its mtime says; the task reads it only as seen."""
+    import time
+
+    from photon.joiner import read_whole
+
+    part = "20250101/0000"  # sealed long ago: only a waiting file holds the mark
+    clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
+    clicks.mkdir(parents=True)
+    behind, ahead = clicks / "behind.jsonl", clicks / "ahead.jsonl"
+    behind.write_bytes(b'{"a": 1}\n{"a"')
+    ahead.write_bytes(b'{"a": 1}\n{"a"')
+    past = time.time() - 10  # within the maximum clock skew (10 s)
+    os.utime(behind, (past, past))
+    os.utime(ahead, (4102444800, 4102444800))  # 2100-01-01
+    joiner = _joiner(tmp_path, settle_s=0.5, max_clock_skew_s=10.0)
+    assert joiner._new_files()[1] == []  # first sighting: still possibly being written
+    assert joiner._next_marks["clicks"] == part
+    time.sleep(0.6)
+    taken = joiner._new_files()[1]
+    assert sorted(taken) == [f"{part}/ahead.jsonl", f"{part}/behind.jsonl"]
+    assert joiner._next_marks["clicks"] != part  # nothing left there: the mark moves on
+    # The task reads a torn file only as the driver saw it settle (size, mtime); never by its mtime's age.
+    t = joiner._task("t", 0, tmp_path / "stage", 0)
+    st = os.stat(ahead)
+    assert t.settled[f"clicks/{part}/ahead.jsonl"] == [st.st_size, st.st_mtime_ns]
+    assert read_whole(ahead, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'
+    assert read_whole(behind)[0] is None
+    # Changed between two listings: seen anew, and waits again.
+    with open(behind, "ab") as fh:
+        fh.write(b": 2")
+    os.utime(behind, (past, past))
+    assert f"{part}/behind.jsonl" not in joiner._new_files()[1]
+
+
+def test_a_directory_or_a_named_pipe_named_like_a_log_file_is_skipped_not_a_crash(tmp_path: Path) -> None:
+    """Review: a directory named ``x.jsonl`` in a partition (``mkdir``, a botched ``cp -r``) made every listing raise
+    (IsADirectoryError while checking its last byte) or, once old, every batch's task: the pipeline stalled for good;
+    a named pipe blocked the listing in ``open`` for good. Now neither is a log file: logged, skipped, and the mark
+    moves past it once sealed; the task's read of one is an error, never a hang."""
+    import time
+
+    part = "20250101/0000"
+    clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
+    (clicks / "fresh.jsonl").mkdir(parents=True)
+    (clicks / "old.jsonl").mkdir()
+    past = time.time() - 3600
+    os.utime(clicks / "old.jsonl", (past, past))
+    (clicks / "good.jsonl").write_bytes(b'{"a": 1}\n')
+    os.mkfifo(clicks / "pipe.jsonl")  # opening it to read its last byte would block for good
+    joiner = _joiner(tmp_path)
+    assert joiner._new_files()[1] == [f"{part}/good.jsonl"]
+    assert joiner._next_marks["clicks"] != part
+    from photon.joiner import read_whole
+
+    assert read_whole(clicks / "pipe.jsonl")[0] is None and read_whole(clicks / "old.jsonl")[0] is None  # no hang
+
+
+def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is_taken_and_said(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """Review: a torn file that keeps changing (a writer appending to a closed name for good) held its kind's listing
+    mark back for good, silently: every batch listed every partition since, and stat-ed every file consumed since
+    (``_check_consumed``), a cost growing without bound. Now, once seen changing for longer than the seal bound, it
+    is taken as it is then, with a logged error; whatever it gains after is reported as a consumed file's change."""
+    import logging
+
+    part = "20250101/0000"
+    clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
+    clicks.mkdir(parents=True)
+    growing = clicks / "growing.jsonl"
+    growing.write_bytes(b'{"a"')
+    joiner = _joiner(tmp_path, settle_s=5.0)
+    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part
+    with open(growing, "ab") as fh:
+        fh.write(b": 1")
+    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part  # changed: waits again
+    key = ("clicks", f"{part}/growing.jsonl")  # as if first seen changing the seal bound ago, and since
+    joiner._seen[key] = (*joiner._seen[key][:3], joiner._seen[key][3] - joiner.s.seal_s)
+    with open(growing, "ab") as fh:
+        fh.write(b"}")
+    with caplog.at_level(logging.ERROR, logger="photon.joiner"):
+        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
+    assert joiner._next_marks["clicks"] != part
+    assert "still changing" in caplog.text and "growing.jsonl" in caplog.text
+    # The task reads it as it is then, even changed since the listing (it may never stop), once stable during the read
+    from photon.joiner import read_whole
+
+    t = joiner._task("t", 0, tmp_path / "stage", 0)
+    with open(growing, "ab") as fh:
+        fh.write(b"\n{")
+    as_listed = t.settled[f"clicks/{part}/growing.jsonl"]
+    assert read_whole(growing, (as_listed[0], as_listed[1]))[0] == b'{"a": 1}\n{'
+    caplog.clear()  # listed again (the task left it, say): still taken at once, said again
+    with caplog.at_level(logging.ERROR, logger="photon.joiner"):
+        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
+    assert "still changing" in caplog.text

@@ -257,3 +257,36 @@ def test_any_rewrite_of_an_indexed_log_is_a_miss_or_the_same_query(
             assert (expected["query_id"], expected["ts_us"]) == (f"10.0.0.1-7-{t}", t)
             got = q.slice(i, 1).to_pylist()[0]
             assert got == {k: expected[k] for k in got}
+
+
+def test_a_query_log_replaced_by_a_fifo_or_a_directory_is_a_logged_miss_not_a_hang(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: an indexed query log replaced under its name by a named pipe (``mkfifo``, a botched shipper) made the
+    lookup block for good in ``open`` (no writer ever comes): the batch, and the lease, hung. A directory in its place
+    is an error the lookup already catches. Both are now misses of the queries indexed there, logged."""
+    import threading
+
+    logs, store = tmp_path / "logs", tmp_path / "store"
+    ts = [T0, T0 + 1]
+    log_and_index(logs, store, "20251121/0440/p.jsonl", line(ts[0]) + b"\n", "b1-q0")
+    log_and_index(logs, store, "20251121/0440/d.jsonl", line(ts[1]) + b"\n", "b1-q1")
+    (logs / "20251121/0440/p.jsonl").unlink()
+    os.mkfifo(logs / "20251121/0440/p.jsonl")
+    (logs / "20251121/0440/d.jsonl").unlink()
+    (logs / "20251121/0440/d.jsonl").mkdir()
+    got: list[tuple[pa.Table, object, object]] = []
+    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+        lookup = threading.Thread(target=lambda: got.append(EventStoreCache(store, logs, 4).lookup(ids(ts), BUCKET_S)))
+        lookup.start()
+        lookup.join(timeout=10)
+    hung = lookup.is_alive()
+    if hung:  # let the blocked open return, so the test ends (and fails)
+        fd = os.open(logs / "20251121/0440/p.jsonl", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        lookup.join(timeout=10)
+    assert not hung, "the lookup blocked on a named pipe in place of a query log"
+    ((_, found, stats),) = got
+    assert found.tolist() == [False, False]  # type: ignore[attr-defined]
+    assert stats.unreadable.tolist() == [True, True]  # type: ignore[attr-defined]
+    assert "p.jsonl" in caplog.text and "d.jsonl" in caplog.text
