@@ -131,3 +131,14 @@ def test_the_join_dags_default_lease_comes_from_the_environment_at_parse_time(mo
     monkeypatch.setenv("PHOTON_JOIN_LEASE_S", "5")
     with pytest.raises(ValueError, match="10 to 3600"):
         lease_s()
+
+
+def test_gc_and_data_quality_follow_the_configured_clock_skew_at_parse_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raised PHOTON_MAX_CLOCK_SKEW_S moves the joiners' seal (2 x skew + 40 s); the data-quality DAG's settle time
+    and GC's threshold must follow it, or an hour is judged before its input files are final."""
+    from photon.airflow.dags import data_quality_dag, registry_gc_dag
+
+    monkeypatch.setenv("PHOTON_MAX_CLOCK_SKEW_S", "30")
+    assert data_quality_dag().params["max_clock_skew_s"] == 30 == registry_gc_dag().params["max_clock_skew_s"]
+    monkeypatch.delenv("PHOTON_MAX_CLOCK_SKEW_S")
+    assert data_quality_dag().params["max_clock_skew_s"] == 10 == registry_gc_dag().params["max_clock_skew_s"]

@@ -1,7 +1,7 @@
 """DAG builders: the files in ``dags/`` call these and nothing else.
 
 Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``, ``PHOTON_TASK_RETRIES``,
-``PHOTON_JOIN_LEASE_S``); paths come from the Variables
+``PHOTON_JOIN_LEASE_S``, ``PHOTON_MAX_CLOCK_SKEW_S``); paths come from the Variables
 ``photon_logs`` and ``photon_out`` (templated, so read when a task runs), endpoints from the connections
 ``photon_registry_<component>`` (each falling back to ``photon_registry``) and ``spark_default``, tunables from each
 DAG's params (the form the UI shows on "Trigger DAG w/ config").
@@ -51,6 +51,15 @@ def lease_s() -> int:
     value = int(os.environ.get("PHOTON_JOIN_LEASE_S", "300"))
     if not 10 <= value <= 3600:
         raise ValueError(f"PHOTON_JOIN_LEASE_S={value}: a lease lasts 10 to 3600 seconds")
+    return value
+
+
+def clock_skew_s() -> float:
+    """The GC and data-quality DAGs' default ``max_clock_skew_s``: ``PHOTON_MAX_CLOCK_SKEW_S`` as the joiners read it
+    (default 10), so that a raised bound moves their thresholds and settle times with the joiners' seal."""
+    value = float(os.environ.get("PHOTON_MAX_CLOCK_SKEW_S", "10"))
+    if not 0 <= value <= 3600:
+        raise ValueError(f"PHOTON_MAX_CLOCK_SKEW_S={value}: 0 to 3600 seconds")
     return value
 
 
@@ -187,7 +196,7 @@ def data_quality_dag() -> DAG:
         default_args={"retries": min(1, retries()["retries"]), "retry_delay": timedelta(minutes=1)},
         params={
             "settle_min": Param(5, type="integer", minimum=0, description="Wait after the interval before checking."),
-            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "max_clock_skew_s": Param(clock_skew_s(), type="number", minimum=0),
             "latency_slo_s": Param(
                 60.0, type="number", minimum=0, description="End-to-end, for most clicks of live pipelines."
             ),
@@ -256,7 +265,7 @@ def registry_gc_dag() -> DAG:
         default_args=retries(),
         params={
             "retention_s": Param(3 * 86_400, type="integer", minimum=60, description="How long ids are remembered."),
-            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "max_clock_skew_s": Param(clock_skew_s(), type="number", minimum=0),
             "dry_run": Param(False, type="boolean", description="Report what would be freed; change nothing."),
         },
     ) as dag:
@@ -332,7 +341,7 @@ def reshard_dag() -> DAG:
                 ["main"], type="array", items={"type": "string"}, description="Servers, shards round-robin."
             ),
             "lead_s": Param(120, type="integer", minimum=1, description="Seconds until the new config takes effect."),
-            "max_clock_skew_s": Param(10.0, type="number", minimum=0),
+            "max_clock_skew_s": Param(clock_skew_s(), type="number", minimum=0),
             "grace_s": Param(
                 60, type="integer", minimum=1, description="A joiner that committed this recently is live."
             ),
