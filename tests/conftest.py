@@ -23,6 +23,10 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "false"
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "plugins")
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
 os.environ["PHOTON_TASK_RETRIES"] = "0"  # a failing task in dag.test() fails at once instead of backing off
+# pytest-xdist's workers start with COLUMNS=80, which a rich Console created at import (photon.cli's) would keep for
+# good: tests that set COLUMNS for one command (a wide `photon status` table) must see it.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 from photon.pg import EmbeddedPostgres, create_database, drop_database, with_dbname  # noqa: E402
 
