@@ -61,9 +61,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_index_lists_the_validation_results_offline(site: Path, tmp_path: Path) -> None:
     dom, console = render(site / "index.html", tmp_path)
     rows = VALIDATION_ROW.findall(dom)
-    assert len(rows) == 4, dom[-3000:]
-    assert sum("interval%202025-11-21T04%3A00%3A00%2B3600s" in r for r in rows) == 2
-    assert sum("interval%202025-11-21T05%3A00%3A00%2B3600s" in r for r in rows) == 2
+    assert len(rows) == 6, dom[-3000:]  # joined, rates and completeness for each of the two intervals
+    assert sum("interval%202025-11-21T04%3A00%3A00%2B3600s" in r for r in rows) == 3
+    assert sum("interval%202025-11-21T05%3A00%3A00%2B3600s" in r for r in rows) == 3
     assert console == ""  # nothing failed to load, nothing threw
 
 
@@ -77,7 +77,7 @@ def test_a_failed_validation_page_renders_offline(site: Path, tmp_path: Path) ->
 
 def test_every_asset_is_served_from_the_output_folder(site: Path) -> None:
     pages = list(site.rglob("*.html"))
-    assert len(pages) >= 7  # index, 2 suites, 4 validation results
+    assert len(pages) >= 10  # index, 3 suites, 6 validation results
     for page in pages:
         html = page.read_text()
         assert remote_loads(html) == [], page
