@@ -67,11 +67,6 @@ def measure_offset(dsn: str, samples: int = SAMPLES) -> Offset:
     return best
 
 
-def server_now_us(dsn: str) -> int:
-    """The registry server's clock now, measured from this host (one short exchange)."""
-    return time.time_ns() // 1000 + measure_offset(dsn, samples=3).offset_us
-
-
 def skew_message(offset_us: int, max_skew_s: float, who: str = "this host") -> str:
     ahead = offset_us < 0  # the server is behind this host: this host is ahead
     return (

@@ -54,7 +54,6 @@ import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.audit import data_center_of
-from photon.clock import server_now_us
 from photon.durable import fsync_dir, make_dirs
 from photon.ids import EventKeys, format_id
 from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
@@ -62,6 +61,7 @@ from photon.layout import list_closed, partition_of
 from photon.parse import parse_file
 from photon.pg import autocommit, connect
 from photon.registry import MAIN, read_layout
+from photon.registry_admin import server_clock_us
 from photon.registry_sql import shard_table
 from photon.schemas import JOINED, JOINED_SCHEMA
 from photon.settings import load_settings
@@ -314,7 +314,7 @@ def verify_and_recover(
             report.not_in_logs = int(np.count_nonzero(~found))
             if found.any():
                 queries = _find_query_lines(lines.values(), logs, order)
-                stamp = f"{RECOVERED_PREFIX}{server_now_us(servers[MAIN])}.jsonl"
+                stamp = f"{RECOVERED_PREFIX}{server_clock_us(servers[MAIN])}.jsonl"
                 intents = _write_intents(logs, dcs, "queries", stamp, b"".join(queries[k] for k in sorted(queries)))
                 intents += _write_intents(logs, dcs, "clicks", stamp, b"".join(lines[k] for k in sorted(lines)))
                 lcur.execute("SELECT 1")  # the session, and so the lock, is still ours
@@ -462,7 +462,7 @@ def _publish_intent(path: Path, main_dsn: str) -> Path:
     registry main server's clock, as any log file arriving now (EVENTS.md), durably; returns the file. Not this
     host's clock: the joiners seal partitions by the server's, and a verifier host behind it would put the file in
     a partition they may have moved past for good."""
-    target = path.parent / partition_of(server_now_us(main_dsn)) / path.name.removesuffix(".inprogress")
+    target = path.parent / partition_of(server_clock_us(main_dsn)) / path.name.removesuffix(".inprogress")
     make_dirs(target.parent)
     os.replace(path, target)
     fsync_dir(target.parent)

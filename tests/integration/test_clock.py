@@ -32,12 +32,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.audit import audit
-from photon.clock import ClockSkewError, ServerClock, server_now_us
+from photon.clock import ClockSkewError, ServerClock
 from photon.generator import GeneratorSettings, generate
 from photon.joiner import Joiner, JoinSettings
 from photon.layout import partition_of
 from photon.pipeline_state import PipelineState
-from photon.registry_admin import init_registry
+from photon.registry_admin import init_registry, server_clock_us
 from tests.integration.test_adversary_handover2 import Proxy
 
 pytestmark = pytest.mark.integration
@@ -89,7 +89,7 @@ def test_leases_on_skewed_clocks_refuse_or_stop_and_nothing_is_lost(
     after_refused = PipelineState(joiner_dsn, "dc-a").marks()  # no batch committed: no marks
 
     # 2. An honest writer closes a query file and a click file in the current minute (by true time).
-    now = server_now_us(joiner_dsn)
+    now = server_clock_us(joiner_dsn)
     qid, cid = f"10.200.0.1-77-{now - 2 * US}", f"10.200.0.2-78-{now - US}"
     query = {"query_id": qid, "ts_us": now - 2 * US, "user_id": "u1", "query_text": "late minute", "country": "DE"}
     query["ads"] = [{"ad_id": "a1", "advertiser_id": "adv1", "bid_micros": 5}]
@@ -126,7 +126,7 @@ def test_leases_on_skewed_clocks_refuse_or_stop_and_nothing_is_lost(
                 proc.kill()
     drift_out = " ".join(drift_log.read_text().split())
     marks = PipelineState(joiner_dsn, "dc-a").marks()
-    current = partition_of(server_now_us(joiner_dsn))
+    current = partition_of(server_clock_us(joiner_dsn))
 
     # 4. A later honest lease drains what is left.
     servers = {"main": joiner_dsn}
@@ -242,7 +242,7 @@ def test_a_clock_read_over_a_slow_round_trip_is_refused_not_trusted(
     joiner_dsn = login_as(dsn, "photon_joiner")
     with proxy_for_class(SlowClockProxy, joiner_dsn) as proxy:
         clock = ServerClock(proxy.dsn, max_skew_s=0.5)
-    off_us = clock.now_us() - server_now_us(joiner_dsn)
+    off_us = clock.now_us() - server_clock_us(joiner_dsn)
     assert off_us > 0.5 * US, off_us / US  # the harm: decisions on a clock further from the server's than the skew
     with pytest.raises(ClockSkewError, match="round trip"):
         clock.check()

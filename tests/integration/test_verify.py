@@ -15,11 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.audit import audit
-from photon.clock import server_now_us
 from photon.generator import GeneratorSettings, generate
 from photon.layout import part_of_name, partition_of
 from photon.pg import autocommit
-from photon.registry_admin import init_registry
+from photon.registry_admin import init_registry, server_clock_us
 from photon.verify import verify_and_recover
 
 pytestmark = pytest.mark.integration
@@ -70,7 +69,7 @@ def test_killed_joiner_losses_are_found_and_recovered(
     assert dry.lost == before.lost and dry.recovered == 0 and not list(clicks.glob("recovered-*"))
     # The pass runs as `photon verify` on a host whose clock is 90 s slow: the recovered file lands in the partition
     # of now by the registry server's clock (a partition the joiners have not sealed), not of the host's.
-    since = partition_of(server_now_us(servers["main"]))
+    since = partition_of(server_clock_us(servers["main"]))
     verify = [sys.executable, "-m", "photon", "verify", "--logs", str(logs), "--out", str(out), "--json"]
     skewed = subprocess.run(
         ["faketime", "-f", "-90s", *verify],
@@ -81,7 +80,7 @@ def test_killed_joiner_losses_are_found_and_recovered(
     )
     assert skewed.returncode == 0, skewed.stdout + skewed.stderr
     report = json.loads(skewed.stdout)
-    until = partition_of(server_now_us(servers["main"]))
+    until = partition_of(server_clock_us(servers["main"]))
     assert report["lost"] == report["recovered"] == before.lost and report["not_in_logs"] == 0
     assert report["committed"] == len(joined_ids(out)) and len(report["redispatched_files"]) == 1
     recovered = Path(report["redispatched_files"][0]).relative_to(clicks)
