@@ -8,7 +8,8 @@ REQ_HASH := $(shell cat requirements.txt | sha256sum | cut -c1-16)
 VENV_ROOT ?= $(if $(filter 0,$(shell id -u)),/var/tmp/photon/venvs,$(HOME)/.cache/photon/venvs)
 VENV := $(VENV_ROOT)/$(REQ_HASH)
 PY := $(VENV)/bin/python
-# Data Docs offline: the npm packages behind the CDN links of GX's pages (plugins/photon/data_docs), beside the venv.
+# Data Docs offline: the npm packages behind the CDN links of GX's pages (plugins/photon/tools/data_docs), beside the
+# venv.
 DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -22,23 +23,23 @@ setup: $(VENV)/.ready
 	@grep -qxF "$(CURDIR)/plugins" $(VENV)/lib/python3*/site-packages/_photon_airflow.pth 2>/dev/null \
 	  || "$(VENV)/bin/pip" install --quiet --no-deps --no-build-isolation -e .
 	@ln -sfn "$(VENV)" .venv
-	@cmp -s plugins/photon/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json" \
+	@cmp -s plugins/photon/tools/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json" \
 	  || $(MAKE) --no-print-directory data-docs-assets
 	@test -x /usr/bin/chromium || $(MAKE) --no-print-directory chromium
 	@test -x /usr/bin/faketime || $(MAKE) --no-print-directory faketime
 
 .PHONY: data-docs-assets chromium faketime
 # The CSS/JS that GX's Data Docs pages name, from the very npm packages (and versions) their CDN links serve, pinned
-# with integrity hashes by plugins/photon/data_docs/package-lock.json; photon.quality copies the few files a page
-# loads into the site, so it renders offline. Reinstalled whenever the lock changes.
+# with integrity hashes by plugins/photon/tools/data_docs/package-lock.json; photon.tools.quality copies the few files
+# a page loads into the site, so it renders offline. Reinstalled whenever the lock changes.
 data-docs-assets:
 	@command -v npm >/dev/null \
 	  || { echo "make setup: npm is missing, so Data Docs will need the network: apt-get install -y npm"; exit 0; }; \
 	  set -e; echo "== Data Docs assets (npm ci) into $(DATA_DOCS_ASSETS)"; rm -rf "$(DATA_DOCS_ASSETS)"; \
 	  mkdir -p "$(DATA_DOCS_ASSETS)"; \
-	  cp plugins/photon/data_docs/{package.json,package-lock.json,.npmrc} "$(DATA_DOCS_ASSETS)/"; \
+	  cp plugins/photon/tools/data_docs/{package.json,package-lock.json,.npmrc} "$(DATA_DOCS_ASSETS)/"; \
 	  (cd "$(DATA_DOCS_ASSETS)" && npm ci --loglevel=error); \
-	  cp plugins/photon/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json"
+	  cp plugins/photon/tools/data_docs/package-lock.json "$(DATA_DOCS_ASSETS)/.installed-lock.json"
 
 # Debian's Chromium: tests open the Data Docs in it headless, with the network off.
 chromium:

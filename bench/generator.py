@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 
 
 def synthetic_audit_input(root: Path, n: int) -> None:

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from photon.audit import audit
 from photon.pg import EmbeddedPostgres, autocommit, create_database, drop_database
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.tools.audit import audit
 
 US = 1_000_000
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,9 +44,9 @@ import psutil
 import pyarrow.parquet as pq
 
 from bench.handover import admin_dsn, generate, lease_running
-from photon.audit import audit
 from photon.pg import autocommit, create_database, drop_database
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.tools.audit import audit
 
 US = 1_000_000
 ROOT = Path(__file__).resolve().parents[1]

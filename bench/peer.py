@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from photon.parse import CLICK_FIELDS, QUERY_FIELDS
+from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
 from photon.settings import MAX_CLOCK_SKEW_S
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"

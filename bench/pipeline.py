@@ -34,13 +34,13 @@ import numpy as np
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from bench.side_by_side import default_workload, long_non_ascii_workload, run_workload, warm_up
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.joiner import BatchResult, Joiner, JoinSettings
-from photon.parse import CLICK_FIELDS, QUERY_FIELDS
+from photon.joiner.joiner import BatchResult, Joiner, JoinSettings
+from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
 from photon.pg import EmbeddedPostgres, create_database
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 from photon.spark_session import get_spark
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 
 US = 1_000_000
 

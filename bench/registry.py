@@ -28,12 +28,12 @@ from psycopg2 import sql
 from rich.console import Console
 from rich.table import Table
 
-from photon.ids import EventKeys
-from photon.owners import create_owner
+from photon.logs.ids import EventKeys
 from photon.pg import EmbeddedPostgres, autocommit, connect, create_database, drop_database, with_dbname
-from photon.registry import IdRegistry, RegistryOptions, encode_copy
-from photon.registry_admin import init_registry
-from photon.sharding import ShardRef
+from photon.registry.admin import init_registry
+from photon.registry.client import IdRegistry, RegistryOptions, encode_copy
+from photon.registry.owners import create_owner
+from photon.registry.sharding import ShardRef
 
 console = Console()
 

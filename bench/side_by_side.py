@@ -26,10 +26,10 @@ import pyarrow.dataset as ds
 
 from bench.peer import configure, run_peer
 from bench.stages import DriverClock, last_stage_id, replay, spark_stages
-from photon.generator import GeneratorSettings, generate
-from photon.joiner import Joiner, JoinSettings
+from photon.joiner.joiner import Joiner, JoinSettings
 from photon.pg import EmbeddedPostgres, create_database
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.tools.generator import GeneratorSettings, generate
 
 US = 1_000_000
 DC = "dc-a"

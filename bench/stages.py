@@ -197,10 +197,10 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
     stage 2 per partition) on one core, every step timed. Into its own registry and output folder."""
     import pathlib
 
-    import photon.eventstore as eventstore
-    import photon.joiner as joiner_mod
-    from photon.joiner import Joiner, JoinSettings
-    from photon.registry import IdRegistry
+    import photon.joiner.eventstore as eventstore
+    import photon.joiner.joiner as joiner_mod
+    from photon.joiner.joiner import Joiner, JoinSettings
+    from photon.registry.client import IdRegistry
 
     j = Joiner(dc, logs, root, servers, spark, JoinSettings(trigger_interval_s=0.0))
     stage_s: list[float] = []

@@ -15,7 +15,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from photon.settings import Settings, load_settings
-from photon.status import ago, when
+from photon.tools.status import ago, when
 
 app = typer.Typer(help="Photon: exactly-once joins of clicks to queries across data centers.", no_args_is_help=True)
 registry_app = typer.Typer(help="The IdRegistry: init, status, gc, reshard.", no_args_is_help=True)
@@ -25,7 +25,7 @@ console = Console()
 
 def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
     # Imported when a command runs: the registry module loads Arrow, which `--help` does not need.
-    from photon.registry import servers_from_settings as servers
+    from photon.registry.client import servers_from_settings as servers
 
     return servers(settings)
 
@@ -46,7 +46,7 @@ def registry_init(
     partition_minutes: Annotated[int, typer.Option(help="Width of the time partitions GC drops.")] = 60,
 ) -> None:
     """Apply migrations on every registry server and create the first shard configuration (idempotent)."""
-    from photon.registry_admin import init_registry
+    from photon.registry.admin import init_registry
 
     servers = servers_from_settings()
     report = init_registry(
@@ -73,7 +73,7 @@ def registry_status(
     ] = False,
 ) -> None:
     """Servers, shard configurations, per-shard GC thresholds, partitions, row counts and sizes."""
-    from photon.registry_admin import status
+    from photon.registry.admin import status
 
     st = status(servers_from_settings(), exact=not estimate)
     if as_json:
@@ -120,7 +120,7 @@ def registry_gc(
 ) -> None:
     """Advance every shard's GC threshold to now - retention - max clock skew (never back), drop the partitions
     wholly below it and delete the rows left below it; report rows and bytes freed per shard."""
-    from photon.gc import collect_garbage
+    from photon.registry.gc import collect_garbage
 
     settings = load_settings()
     report = collect_garbage(
@@ -159,7 +159,7 @@ def registry_reshard(
 ) -> None:
     """Plan a new shard configuration effective at now + lead, wait for every live joiner to acknowledge it, then
     activate it (or abort and leave the current one in force). Exit status 1 if aborted."""
-    from photon.reshard import reshard
+    from photon.registry.reshard import reshard
 
     settings = load_settings()
     report = reshard(
@@ -190,8 +190,8 @@ def registry_reshard_resume(
     """Finish a reshard that stopped part-way (a crash, a lost connection): a planned configuration is activated if
     every live joiner acknowledged it and its deadline allows, else aborted; an active one is enforced on every
     server; an aborted one is removed everywhere. Exit status 1 if it ends aborted."""
-    from photon.reshard import abort as abort_plan
-    from photon.reshard import resume
+    from photon.registry.reshard import abort as abort_plan
+    from photon.registry.reshard import resume
 
     servers = servers_from_settings()
     if abort:
@@ -251,7 +251,7 @@ def generate_cmd(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from photon.generator import GeneratorSettings, Outage, generate
+    from photon.tools.generator import GeneratorSettings, Outage, generate
 
     if mode not in ("historical", "live"):
         raise ValueError("--mode is historical or live")
@@ -301,8 +301,8 @@ def audit_cmd(
 ) -> None:
     """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
     Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
-    from photon.audit import audit
-    from photon.schemas import MANIFEST_DIR
+    from photon.logs.schemas import MANIFEST_DIR
+    from photon.tools.audit import audit
 
     _folder(out, "--out")
     if logs is not None:
@@ -371,7 +371,7 @@ def join_cmd(
     trigger_interval: Annotated[float, typer.Option(help="Seconds between micro-batch triggers.")] = 1.0,
     max_join_delay: Annotated[float, typer.Option(help="Give up on a click's query after this many seconds.")] = 120.0,
     adapter: Annotated[str, typer.Option(help="module:function merging query fields into clicks.")] = (
-        "photon.adapter:default_adapter"
+        "photon.joiner.adapter:default_adapter"
     ),
     master: Annotated[str | None, typer.Option(help="Spark master (default: spark-submit's, else local[*]).")] = None,
     pipeline: Annotated[
@@ -403,10 +403,10 @@ def join_cmd(
     ] = 120.0,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
-    from photon.clock import ClockSkewError, ServerClock
-    from photon.joiner import Joiner, JoinSettings
-    from photon.pipeline_state import PipelineState
-    from photon.registry import read_layout
+    from photon.joiner.joiner import Joiner, JoinSettings
+    from photon.joiner.state import PipelineState
+    from photon.registry.client import read_layout
+    from photon.registry.clock import ClockSkewError, ServerClock
     from photon.spark_session import get_spark
 
     _folder(logs, "--logs")
@@ -481,7 +481,7 @@ def verify_cmd(
 ) -> None:
     """Find registered clicks missing from their pipeline's output whose batch is over, recover them (delete their
     registry rows if the token still matches, re-dispatch their lines), and clear the tokens of committed output."""
-    from photon.verify import verify_and_recover
+    from photon.recovery.verify import verify_and_recover
 
     _folder(logs, "--logs")
     _folder(out, "--out")
@@ -510,7 +510,7 @@ def status_cmd(
 ) -> None:
     """Per pipeline: last batch and when, lease holder and heartbeat, lag (oldest unconsumed closed file), retries
     waiting, and over the recent window click latency, joins and the wasted share."""
-    from photon.status import pipeline_status
+    from photon.tools.status import pipeline_status
 
     home = load_settings().home
     logs = _folder(logs, "--logs") if logs is not None else (home / "logs" if (home / "logs").is_dir() else None)
@@ -575,8 +575,8 @@ def report_cmd(
 ) -> None:
     """PNG charts from the metrics tables: click latency, pipelines' shares, registry batching, shard sizes. A chart
     with no data in the range is not drawn."""
-    from photon.registry_admin import server_clock_us
-    from photon.report import live_pipelines, render_report
+    from photon.registry.admin import server_clock_us
+    from photon.tools.report import live_pipelines, render_report
 
     main_dsn = servers_from_settings()["main"]
     since_us = None if since == "all" else _parse_since(since, server_clock_us(main_dsn))
@@ -617,7 +617,7 @@ def demo(
     ] = False,
 ) -> None:
     """Both data centers joining generated live logs at once, ending with an audit (exit 1 if it fails)."""
-    from photon.demo import run_pipeline_demo, run_registry_race
+    from photon.tools.demo import run_pipeline_demo, run_registry_race
 
     settings = load_settings()
     where = "PHOTON_REGISTRY_DSN" if settings.registry_dsn else f"embedded PostgreSQL in {settings.home}/postgres"
@@ -654,12 +654,12 @@ def main() -> None:
         app(prog_name="photon")
     except Exception as exc:
         # The error classes are imported only now: their modules load Arrow, which `--help` does not need.
-        from photon.clock import ClockSkewError
         from photon.durable import CorruptStateError
-        from photon.ids import InvalidEventIdError
-        from photon.migrations import MigrationError
+        from photon.logs.ids import InvalidEventIdError
         from photon.pg import RegistryUnavailableError
-        from photon.registry import RegistryError
+        from photon.registry.client import RegistryError
+        from photon.registry.clock import ClockSkewError
+        from photon.registry.migrations import MigrationError
 
         if not isinstance(
             exc,

@@ -9,8 +9,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Time, one bound for the whole project: every clock (log writers, the registry's main server, any host that acts)
 # is off from true time by at most MAX_CLOCK_SKEW_S (EVENTS.md). Decisions follow the main server's clock
-# (photon/clock.py), so two clocks meet in each of them, a writer's and the server's, up to twice the skew apart;
-# the margin covers what the clocks do not: a writer's delay between reading its clock and its file becoming
+# (photon/registry/clock.py), so two clocks meet in each of them, a writer's and the server's, up to twice the skew
+# apart; the margin covers what the clocks do not: a writer's delay between reading its clock and its file becoming
 # visible, the offset's measurement error (half a round trip), a batch's length. An event stamped further ahead of
 # the server's clock than 2 x skew + margin is refused at the door (joiner) and by the registry alike, and a log
 # partition is sealed that long after its end (layout.py). The defaults keep the 60 s both had before.

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 
 
 @pytest.fixture

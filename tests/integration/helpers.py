@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import psycopg2.extensions
 
-from photon.ids import EventKeys
-from photon.owners import create_owner
-from photon.registry import IdRegistry, RegistryOptions
+from photon.logs.ids import EventKeys
+from photon.registry.client import IdRegistry, RegistryOptions
+from photon.registry.owners import create_owner
 
 
 def keys_from(ts: np.ndarray, src: np.ndarray) -> EventKeys:

@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from photon.eventstore import index_of, write_index
-from photon.joiner import Joiner, JoinSettings, join_partition
-from photon.layout import log_path
-from photon.parse import parse_file_located
+from photon.joiner.eventstore import index_of, write_index
+from photon.joiner.joiner import Joiner, JoinSettings, join_partition
+from photon.logs.layout import log_path
+from photon.logs.parse import parse_file_located
 from tests.integration.test_hostile_input import candidates, outputs, query_line
 from tests.integration.test_joiner import partition_task
 
@@ -60,7 +60,7 @@ def test_lookup_finds_a_query_through_its_second_stored_copy_when_the_first_copy
     the same line; the first file is gone. The second copy is indexed and reads back as itself, so the lookup must
     find the query. It does not: ``_first_rows`` keeps only the first stored row per id, and ``lookup`` never looks
     at another copy when ``_read_lines`` reports that one missing."""
-    from photon.eventstore import EventStoreCache
+    from photon.joiner.eventstore import EventStoreCache
 
     logs, store = tmp_path / "logs", tmp_path / "store"
     ts = 1_763_737_200_123_456

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg2 import sql
 
-from photon.joiner import Joiner, JoinSettings
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import PipelineState
 from photon.pg import autocommit
-from photon.pipeline_state import PipelineState
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 from tests.integration.test_handover_wait import standby
 
 pytestmark = pytest.mark.integration

@@ -29,10 +29,10 @@ import psycopg2
 import psycopg2.extensions
 import pytest
 
-from photon.migrations import MigrationError, apply_migrations, discover
+from photon.joiner.state import PipelineState
 from photon.pg import autocommit
-from photon.pipeline_state import PipelineState
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.registry.migrations import MigrationError, apply_migrations, discover
 from tests.integration.helpers import server_address
 from tests.integration.test_adversary_handover import joiner
 from tests.integration.test_handover_wait import standby

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
 pytestmark = pytest.mark.integration
@@ -367,9 +367,9 @@ def test_join_lease_on_a_spark_standalone_cluster(
 
 @pytest.mark.usefixtures("as_components")
 def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
-    from photon.ids import make_id
-    from photon.owners import create_owner
-    from photon.registry import IdRegistry
+    from photon.logs.ids import make_id
+    from photon.registry.client import IdRegistry
+    from photon.registry.owners import create_owner
 
     now = int(time.time() * US)
     old, recent = [make_id("10.0.0.1", 1, now - 5 * 3600 * US + i) for i in range(100)], [make_id("10.0.0.1", 1, now)]
@@ -379,7 +379,7 @@ def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
     assert task_states(run) == {"collect_garbage": "success"}
     run = dagbag().dags["photon_registry_gc"].test(run_conf={"retention_s": 3600})
     assert task_states(run) == {"collect_garbage": "success"}
-    from photon.registry_admin import status
+    from photon.registry.admin import status
 
     rows = sum(sh["rows"] for cfg in status({"main": env.registry})["configs"] for sh in cfg["shards"])
     assert rows == 1  # the 100 old ids are gone, the recent one stays
@@ -392,7 +392,7 @@ def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
     assert task_states(dagbag().dags["photon_join_dc_a"].test(run_conf={"lease_s": 10})) == {"joiner_lease": "success"}
     run = dagbag().dags["photon_verify_recover"].test(run_conf={"grace_s": 600})
     assert task_states(run) == {"verify_and_recover": "success"}
-    from photon.verify import verify_and_recover
+    from photon.recovery.verify import verify_and_recover
 
     again = verify_and_recover({"main": env.registry}, env.out, env.logs, dry_run=True)
     assert again.checked == 0  # the DAG's run cleared every committed click's token
@@ -400,7 +400,7 @@ def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
 
 @pytest.mark.usefixtures("as_components")
 def test_reshard_dag_activates_a_new_configuration(env: Any) -> None:
-    from photon.registry_admin import status
+    from photon.registry.admin import status
 
     run = dagbag().dags["photon_reshard"].test(run_conf={"num_shards": 6, "lead_s": 3, "max_clock_skew_s": 1})
     assert task_states(run) == {"reshard": "success"}

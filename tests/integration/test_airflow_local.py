@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.airflow.standalone import default_parallelism, registry_connection
-from photon.audit import audit
 from photon.pg import autocommit, drop_database
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
+from photon.tools.audit import audit
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

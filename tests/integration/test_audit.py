@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from photon.audit import audit, input_from_logs
 from photon.cli import app
-from photon.generator import GeneratorSettings, generate
+from photon.tools.audit import audit, input_from_logs
+from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
 START = 1_763_700_000_000_000

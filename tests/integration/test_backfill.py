@@ -14,13 +14,13 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from photon.audit import audit, pipelines_in
-from photon.generator import GeneratorSettings, generate
-from photon.joiner import Joiner, JoinSettings
-from photon.layout import log_path
-from photon.query_index import REASON_QUERY_GC
-from photon.registry import read_layout
-from photon.registry_admin import advance_gc_threshold, init_registry
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.query_index import REASON_QUERY_GC
+from photon.logs.layout import log_path
+from photon.registry.admin import advance_gc_threshold, init_registry
+from photon.registry.client import read_layout
+from photon.tools.audit import audit, pipelines_in
+from photon.tools.generator import GeneratorSettings, generate
 
 US = 1_000_000
 HOUR_US = 3_600 * US

@@ -53,8 +53,8 @@ def test_a_reshard_left_part_way_is_finished_from_the_command_line(
 ) -> None:
     """A reshard that crashed after planning: `reshard-resume V` activates it (no live joiner to wait for) or,
     with --abort, removes it; an active configuration is never aborted. Run as the reshard role's login."""
-    from photon.registry_admin import init_registry
-    from photon.reshard import plan
+    from photon.registry.admin import init_registry
+    from photon.registry.reshard import plan
 
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=2)

@@ -31,13 +31,13 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from photon.audit import audit
-from photon.clock import ClockSkewError, ServerClock
-from photon.generator import GeneratorSettings, generate
-from photon.joiner import Joiner, JoinSettings
-from photon.layout import partition_of
-from photon.pipeline_state import PipelineState
-from photon.registry_admin import init_registry, server_clock_us
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import PipelineState
+from photon.logs.layout import partition_of
+from photon.registry.admin import init_registry, server_clock_us
+from photon.registry.clock import ClockSkewError, ServerClock
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.test_adversary_handover2 import Proxy
 
 pytestmark = pytest.mark.integration
@@ -157,7 +157,7 @@ def test_leases_on_skewed_clocks_refuse_or_stop_and_nothing_is_lost(
 STEP_SCRIPT = """
 import sys, time
 from pathlib import Path
-from photon.clock import ServerClock, CLOCK_SQL
+from photon.registry.clock import ServerClock, CLOCK_SQL
 from photon.pg import autocommit
 
 dsn, rc = sys.argv[1], Path(sys.argv[2])

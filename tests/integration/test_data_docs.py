@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from photon.quality import check_quality, data_docs_assets, remote_loads
+from photon.tools.quality import check_quality, data_docs_assets, remote_loads
 from tests.integration.test_quality import END, HOUR, START, World
 
 CHROMIUM = Path("/usr/bin/chromium")

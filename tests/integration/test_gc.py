@@ -13,16 +13,16 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from photon.audit import audit
-from photon.gc import collect_garbage
-from photon.generator import GeneratorSettings, generate
-from photon.ids import make_id
-from photon.joiner import REASON_GC, Joiner, JoinSettings
-from photon.layout import log_path, partition_of
-from photon.owners import create_owner
-from photon.registry import IdRegistry, Outcome
-from photon.registry_admin import init_registry, status
-from photon.report import render_report
+from photon.joiner.joiner import REASON_GC, Joiner, JoinSettings
+from photon.logs.ids import make_id
+from photon.logs.layout import log_path, partition_of
+from photon.registry.admin import init_registry, status
+from photon.registry.client import IdRegistry, Outcome
+from photon.registry.gc import collect_garbage
+from photon.registry.owners import create_owner
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
+from photon.tools.report import render_report
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -208,7 +208,7 @@ def test_gc_drops_consumed_file_records_behind_each_pipelines_mark_and_the_horiz
     """The consumed-file table stays as large as the retention, not as a pipeline's history: a record goes once its
     partition is older than the horizon and behind the listing mark its pipeline's last batch recorded. A record a
     joiner may still list (at or after its mark, a file directly in <kind>/, a pipeline without marks) stays."""
-    from photon.pipeline_state import PipelineState
+    from photon.joiner.state import PipelineState
 
     now = int(time.time() * US)
     old, mark, fresh = (partition_of(now - h * 3_600 * US) for h in (100, 90, 1))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from bench.handover import run_leases
 
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 
 pytestmark = pytest.mark.integration
 

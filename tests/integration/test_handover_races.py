@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-import photon.joiner as joiner_mod
-from photon.joiner import Joiner, JoinSettings
-from photon.layout import partition_of
+import photon.joiner.joiner as joiner_mod
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import FencedError, Lease
+from photon.logs.layout import partition_of
 from photon.pg import autocommit
-from photon.pipeline_state import FencedError, Lease
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -186,8 +186,8 @@ def test_a_lease_that_waited_on_a_stalled_commit_is_not_born_stale_and_the_next_
     that fences it waits on that row and then wrote its own lease's start and heartbeat as of its transaction's start
     (``now()``), before the wait: born stale, so the next standby fenced it at once. Two standbys fenced each other.
     Now a lease's start and heartbeat are the time it is written, checked after the row is locked."""
+    from photon.joiner.state import PipelineState
     from photon.pg import connect
-    from photon.pipeline_state import PipelineState
 
     state = PipelineState(servers["main"], "dc-a")
     stalled = state.start_lease()

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from psycopg2 import sql
 
-from photon.joiner import Joiner, JoinSettings
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import PipelineState, StandbyAnnouncement
 from photon.pg import autocommit
-from photon.pipeline_state import PipelineState, StandbyAnnouncement
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 
 pytestmark = pytest.mark.integration
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
+from photon.joiner.state import FencedError, PipelineState
 from photon.pg import autocommit
-from photon.pipeline_state import FencedError, PipelineState
-from photon.registry_admin import init_registry
+from photon.registry.admin import init_registry
 
 pytestmark = pytest.mark.integration
 

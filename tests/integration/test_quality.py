@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from photon.generator import GeneratorSettings, generate
-from photon.layout import partition_of
-from photon.quality import NotSettled, QualitySettings, check_quality
-from photon.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.logs.layout import partition_of
+from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.tools.generator import GeneratorSettings, generate
+from photon.tools.quality import NotSettled, QualitySettings, check_quality
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
 US = 1_000_000
@@ -324,7 +324,7 @@ def test_every_expectation_has_a_case() -> None:
     """The cases above cover the whole checkpoint: a new expectation needs its own pair."""
     import great_expectations as gx
 
-    from photon.quality import _suites
+    from photon.tools.quality import _suites
 
     suites = _suites(gx, QualitySettings())
     names = {
@@ -364,7 +364,7 @@ def test_gx_log_keeps_to_one_line_per_failed_expectation(
     assert sorted(r.failed) == sorted([UNIQUE, SKEW, TWICE])
     gx_records = [rec for rec in caplog.records if rec.name.startswith("great_expectations")]
     assert [rec for rec in gx_records if rec.levelno < logging.WARNING] == []
-    mine = [rec.getMessage() for rec in caplog.records if rec.name == "photon.quality"]
+    mine = [rec.getMessage() for rec in caplog.records if rec.name == "photon.tools.quality"]
     assert len(mine) == 4, mine  # the verdict, then one line per failed expectation
     assert "FAIL, 3 expectation(s)" in mine[0]
     assert "1010 input clicks, 0 without outcome, 1 joined more than once" in mine[0]
@@ -419,7 +419,7 @@ def test_completeness_counts_and_names_the_clicks_no_pipeline_read(
 ) -> None:
     w = World()
     _file_never_read(w)
-    caplog.set_level(logging.INFO, logger="photon.quality")
+    caplog.set_level(logging.INFO, logger="photon.tools.quality")
     r = check(w, tmp_path)
     assert not r.success
     assert (r.input_clicks, r.no_outcome, r.joined_more_than_once) == (N + 10 + 7, 7, 0)

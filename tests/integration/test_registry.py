@@ -13,13 +13,13 @@ import numpy as np
 import psycopg2
 import pytest
 
-from photon.ids import EventKeys, InvalidEventIdError, make_id
-from photon.migrations import MigrationError, apply_migrations
-from photon.owners import Token, create_owner
+from photon.logs.ids import EventKeys, InvalidEventIdError, make_id
 from photon.pg import RegistryUnavailableError, autocommit, with_dbname
-from photon.registry import IdRegistry, Outcome, RegistryError, RegistryOptions
-from photon.registry_admin import add_shard_config, advance_gc_threshold, init_registry, status
-from photon.sharding import ShardRef
+from photon.registry.admin import add_shard_config, advance_gc_threshold, init_registry, status
+from photon.registry.client import IdRegistry, Outcome, RegistryError, RegistryOptions
+from photon.registry.migrations import MigrationError, apply_migrations
+from photon.registry.owners import Token, create_owner
+from photon.registry.sharding import ShardRef
 from tests.integration.helpers import CommitCuttingProxy, keys_from, race_worker, spread_worker
 
 ROOT = Path(__file__).resolve().parents[2]

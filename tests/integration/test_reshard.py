@@ -13,17 +13,15 @@ import psycopg2
 import psycopg2.errors
 import pytest
 
-from photon import reshard as reshard_mod
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.ids import make_id
-from photon.joiner import Joiner, JoinSettings
-from photon.owners import create_owner
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import PipelineState
+from photon.logs.ids import make_id
 from photon.pg import autocommit, connect
-from photon.pipeline_state import PipelineState
-from photon.registry import IdRegistry, Outcome, RegistryOptions, StaleLayoutError
-from photon.registry_admin import init_registry, status
-from photon.reshard import (
+from photon.registry import reshard as reshard_mod
+from photon.registry.admin import init_registry, status
+from photon.registry.client import IdRegistry, Outcome, RegistryOptions, StaleLayoutError
+from photon.registry.owners import create_owner
+from photon.registry.reshard import (
     Plan,
     ReshardError,
     ReshardInProgressError,
@@ -33,6 +31,8 @@ from photon.reshard import (
     reshard,
     resume,
 )
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 
 pytestmark = pytest.mark.integration
 US = 1_000_000

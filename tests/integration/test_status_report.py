@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from photon.cli import app
-from photon.joiner import batch_tag
-from photon.pipeline_state import PipelineState
-from photon.registry_admin import init_registry
+from photon.joiner.joiner import batch_tag
+from photon.joiner.state import PipelineState
+from photon.registry.admin import init_registry
 
 pytestmark = pytest.mark.integration
 US = 1_000_000

@@ -14,12 +14,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.layout import part_of_name, partition_of
+from photon.logs.layout import part_of_name, partition_of
 from photon.pg import autocommit
-from photon.registry_admin import init_registry, server_clock_us
-from photon.verify import verify_and_recover
+from photon.recovery.verify import verify_and_recover
+from photon.registry.admin import init_registry, server_clock_us
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 
 pytestmark = pytest.mark.integration
 US = 1_000_000

@@ -19,16 +19,16 @@ import psycopg2
 import pyarrow.parquet as pq
 import pytest
 
-import photon.verify
-from photon.audit import audit
-from photon.generator import GeneratorSettings, generate
-from photon.joiner import Joiner, JoinSettings
-from photon.parse import parse_file
+from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.state import FencedError
+from photon.logs.parse import parse_file
 from photon.pg import autocommit
-from photon.pipeline_state import FencedError
-from photon.registry import IdRegistry
-from photon.registry_admin import init_registry
-from photon.verify import EvidenceMissingError, verify_and_recover
+from photon.recovery import verify
+from photon.recovery.verify import EvidenceMissingError, verify_and_recover
+from photon.registry.admin import init_registry
+from photon.registry.client import IdRegistry
+from photon.tools.audit import audit
+from photon.tools.generator import GeneratorSettings, generate
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -120,7 +120,7 @@ def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
             pass  # the verifier fenced first: the batch is refused, and its clicks are the verifier's to recover
 
     target = {"after_read": "_tokened_rows", "before_fence": "_fence", "before_delete": "data_center_of"}[moment]
-    original = getattr(photon.verify, target)
+    original = getattr(verify, target)
 
     def interleaved(*args: Any) -> Any:
         if moment == "before_fence":
@@ -130,7 +130,7 @@ def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
         commit_batch_2()
         return result
 
-    monkeypatch.setattr(photon.verify, target, interleaved)
+    monkeypatch.setattr(verify, target, interleaved)
     verify_and_recover(roles.verifier, out, logs, grace_s=0.5)
     monkeypatch.undo()
     report = drain_and_audit(roles, logs, out, spark, ("dc-a",))
@@ -296,7 +296,7 @@ def test_a_pass_that_lost_its_lock_never_publishes_another_pass_s_intent_early(
     Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
     time.sleep(1.0)
     v2_wrote, v1_done = threading.Event(), threading.Event()
-    original_leftovers, original_delete = photon.verify._publish_leftover_intents, photon.verify._delete
+    original_leftovers, original_delete = verify._publish_leftover_intents, verify._delete
 
     def leftovers(*args: Any) -> None:
         if threading.current_thread().name == "V1":
@@ -313,8 +313,8 @@ def test_a_pass_that_lost_its_lock_never_publishes_another_pass_s_intent_early(
             assert not recovered_files(logs), "another pass's intent became readable before its delete"
         original_delete(*args)
 
-    monkeypatch.setattr(photon.verify, "_publish_leftover_intents", leftovers)
-    monkeypatch.setattr(photon.verify, "_delete", delete)
+    monkeypatch.setattr(verify, "_publish_leftover_intents", leftovers)
+    monkeypatch.setattr(verify, "_delete", delete)
     errors: dict[str, BaseException] = {}
 
     def run(name: str) -> None:
@@ -382,7 +382,7 @@ def test_a_joiner_login_cannot_forge_a_commit_or_share_an_owner(tmp_path: Path, 
     """The triggers of 0005 guard UPDATEs; INSERTs must follow from a commit too. (A forged published batch made the
     verifier recover a live lease's in-flight clicks and blocked its real commit forever; a pipeline sharing an
     owner would share its tokens.)"""
-    from photon.pipeline_state import PipelineState
+    from photon.joiner.state import PipelineState
 
     state = PipelineState(roles.joiner["main"], "dc-a")
     lease = state.start_lease()

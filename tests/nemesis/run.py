@@ -185,7 +185,7 @@ class Nemesis:
         from psycopg2 import sql
 
         from photon.pg import autocommit, create_database
-        from photon.registry_admin import init_registry
+        from photon.registry.admin import init_registry
 
         admin = self.registry.start()
         owner = create_database(admin, "photon")
@@ -413,7 +413,7 @@ class Nemesis:
             self._reap_verifier(time.monotonic() - t0)
 
     def _drain(self) -> None:
-        from photon.joiner import Joiner, JoinSettings
+        from photon.joiner.joiner import Joiner, JoinSettings
 
         settings = JoinSettings(max_join_delay_s=MAX_JOIN_DELAY_S, trigger_interval_s=0.5)
         for dc in DCS:
@@ -430,7 +430,7 @@ class Nemesis:
             self._check()
 
     def _final_verify(self) -> dict[str, Any]:
-        from photon.verify import verify_and_recover
+        from photon.recovery.verify import verify_and_recover
 
         servers = {"main": self.dsn["photon_verifier"]}
         return verify_and_recover(servers, self.out, self.logs, grace_s=self.p.grace_s).to_dict()

@@ -9,8 +9,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from photon.adapter import ADAPTED_SCHEMA, default_adapter
-from photon.parse import QUERY_FIELDS
+from photon.joiner.adapter import ADAPTED_SCHEMA, default_adapter
+from photon.logs.parse import QUERY_FIELDS
 
 ADS = QUERY_FIELDS.field("ads").type
 AD_IDS = st.sampled_from(["a1", "a2", "a3", "ü", ""])

@@ -15,8 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from photon.adapter import ADAPTED_SCHEMA, default_adapter
-from photon.parse import QUERY_FIELDS
+from photon.joiner.adapter import ADAPTED_SCHEMA, default_adapter
+from photon.logs.parse import QUERY_FIELDS
 
 ADS = QUERY_FIELDS.field("ads").type
 

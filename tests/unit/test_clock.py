@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from photon.layout import partition_of, sealed_before
+from photon.logs.layout import partition_of, sealed_before
 from photon.settings import load_settings
 
 US = 1_000_000

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from photon.eventstore import EventStoreCache, index_of, write_index
-from photon.parse import QUERY_FIELDS, parse_file_located, parse_query
+from photon.joiner.eventstore import EventStoreCache, index_of, write_index
+from photon.logs.parse import QUERY_FIELDS, parse_file_located, parse_query
 
 T0 = 1_763_700_000_000_000
 BUCKET_S = 10
@@ -137,7 +137,7 @@ def test_a_log_file_gone_or_changed_is_a_logged_miss_never_a_wrong_query(
     # The second line's bytes now hold a different query (same length): it must not be taken for T0 + 2.
     first, second = line(T0 + 1), line(T0 + 2)
     (files / "changed.jsonl").write_bytes(first + b"\n" + second.replace(b"q", b"Q", 1).replace(b"-7-", b"-8-") + b"\n")
-    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+    with caplog.at_level(logging.ERROR, logger="photon.joiner.eventstore"):
         q, found, stats = EventStoreCache(store, logs, 4).lookup(ids([T0, T0 + 1, T0 + 2, T0 + 3, T0 + 4]), BUCKET_S)
     assert found.tolist() == [False, True, False, False, True]
     assert q.column("query_id")[4].as_py() == f"10.0.0.1-7-{T0 + 4}"
@@ -184,7 +184,7 @@ def test_a_query_log_reshipped_with_its_lines_reordered_is_a_logged_miss(
     log_and_index(logs, store, "20251121/0440/r.jsonl", short + b"\n" + long + b"\n", "b1-q0")
     store_queries(logs, store, "a-kept", [ts[2]], "mid")  # read before r.jsonl: r's lines come last
     (logs / "20251121/0440/r.jsonl").write_bytes(long + b"\n" + short + b"\n")  # long's slice now ends in short
-    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+    with caplog.at_level(logging.ERROR, logger="photon.joiner.eventstore"):
         q, found, stats = EventStoreCache(store, logs, 4).lookup(ids(ts), BUCKET_S)
     assert found.tolist() == [False, False, True]
     assert q.column("query_text")[2].as_py() == f"mid{ts[2]}"
@@ -276,7 +276,7 @@ def test_a_query_log_replaced_by_a_fifo_or_a_directory_is_a_logged_miss_not_a_ha
     (logs / "20251121/0440/d.jsonl").unlink()
     (logs / "20251121/0440/d.jsonl").mkdir()
     got: list[tuple[pa.Table, object, object]] = []
-    with caplog.at_level(logging.ERROR, logger="photon.eventstore"):
+    with caplog.at_level(logging.ERROR, logger="photon.joiner.eventstore"):
         lookup = threading.Thread(target=lambda: got.append(EventStoreCache(store, logs, 4).lookup(ids(ts), BUCKET_S)))
         lookup.start()
         lookup.join(timeout=10)

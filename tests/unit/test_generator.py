@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from photon.generator import MALFORMED_KINDS, GeneratorSettings, Outage, expectation, generate
+from photon.tools.generator import MALFORMED_KINDS, GeneratorSettings, Outage, expectation, generate
 
 START = 1_763_700_000_000_000
 US = 1_000_000

@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from photon.ids import EventKeys, InvalidEventIdError, format_id, parse_id
+from photon.logs.ids import EventKeys, InvalidEventIdError, format_id, parse_id
 
 
 def test_round_trip_is_exact() -> None:

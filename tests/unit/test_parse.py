@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from photon.generator import GeneratorSettings, generate
-from photon.parse import CHUNK_LINES, CLICK_FIELDS, MAX_DEPTH, QUERY_FIELDS, parse_file, parse_file_by_line
-from photon.schemas import MAX_LINE_BYTES
+from photon.logs.parse import CHUNK_LINES, CLICK_FIELDS, MAX_DEPTH, QUERY_FIELDS, parse_file, parse_file_by_line
+from photon.logs.schemas import MAX_LINE_BYTES
+from photon.tools.generator import GeneratorSettings, generate
 
 START = 1_763_700_000_000_000
 US = 1_000_000

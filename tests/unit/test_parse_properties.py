@@ -26,14 +26,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from photon.parse import (
+from photon.logs.parse import (
     CLICK_FIELDS,
     MAX_DEPTH,
     QUERY_FIELDS,
     parse_file,
     parse_file_by_line,
 )
-from photon.schemas import MAX_LINE_BYTES
+from photon.logs.schemas import MAX_LINE_BYTES
 from tests.unit.test_parse import C, Q  # one valid query and click line, shared
 
 _COMMON = {
@@ -483,8 +483,8 @@ def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tu
     import numpy as np
     import pyarrow as pa
 
-    from photon.ids import valid_ids
-    from photon.parse import _sure_ids
+    from photon.logs.ids import valid_ids
+    from photon.logs.parse import _sure_ids
 
     ids, ts = pa.array([i for i, _ in rows], pa.string()), np.array([t for _, t in rows], np.int64)
     sure = _sure_ids(ids, ts)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from photon.eventstore import EventStoreCache
-from photon.layout import partition_of
-from photon.query_index import DONE_DIR, indexed, keep_from_us, partitions_to_index, prune
+from photon.joiner.eventstore import EventStoreCache
+from photon.joiner.query_index import DONE_DIR, indexed, keep_from_us, partitions_to_index, prune
+from photon.logs.layout import partition_of
 
 from .test_eventstore import BUCKET_S, T0, ids, store_queries
 

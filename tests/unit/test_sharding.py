@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from photon.ids import EventKeys
-from photon.sharding import ShardConfig, ShardLayout, ShardRef, _mix64_int, stable_hash, stable_hash_keys
+from photon.logs.ids import EventKeys
+from photon.registry.sharding import ShardConfig, ShardLayout, ShardRef, _mix64_int, stable_hash, stable_hash_keys
 
 # Pinned values: if these change, every existing registry would look for its ids in the wrong shard.
 GOLDEN = {

@@ -186,7 +186,7 @@ def data_quality_dag() -> DAG:
     Completeness: every well-formed click of the interval's click files has exactly one outcome, judged once the
     interval has settled (before that the task is retried, neither passed nor failed). Latency is judged for the live
     pipelines only; quarantined lines count for the interval of their log file (read from the logs), so a backfilled
-    hour is judged like a live one (see ``photon.quality``)."""
+    hour is judged like a live one (see ``photon.tools.quality``)."""
     with _dag(
         dag_id="photon_data_quality",
         description="Photon data quality: a GX checkpoint per interval, with Data Docs",
@@ -224,7 +224,7 @@ def data_quality_dag() -> DAG:
 
             from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-            from photon.quality import NotSettled, QualitySettings, check_quality
+            from photon.tools.quality import NotSettled, QualitySettings, check_quality
 
             p = context["params"]
             settings = QualitySettings(
@@ -273,7 +273,7 @@ def registry_gc_dag() -> DAG:
         @task(task_id="collect_garbage")
         def gc(**context: Any) -> dict[str, Any]:
             from photon.airflow.hooks import IdRegistryHook
-            from photon.gc import collect_garbage
+            from photon.registry.gc import collect_garbage
 
             p = context["params"]
             report = collect_garbage(
@@ -309,7 +309,7 @@ def verify_recover_dag() -> DAG:
             from pathlib import Path
 
             from photon.airflow.hooks import IdRegistryHook
-            from photon.verify import verify_and_recover
+            from photon.recovery.verify import verify_and_recover
 
             p = context["params"]
             report = verify_and_recover(
@@ -353,7 +353,7 @@ def reshard_dag() -> DAG:
             from airflow.sdk.exceptions import AirflowFailException
 
             from photon.airflow.hooks import IdRegistryHook
-            from photon.reshard import reshard
+            from photon.registry.reshard import reshard
 
             p = context["params"]
             report = reshard(

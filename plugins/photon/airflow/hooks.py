@@ -20,7 +20,7 @@ from typing import Any, Literal
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from photon.registry_admin import init_registry, status
+from photon.registry.admin import init_registry, status
 
 
 def dsn_from_connection(conn: Any) -> str:

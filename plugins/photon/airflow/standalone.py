@@ -470,8 +470,8 @@ def serve(
     """``photon airflow``: the registry (initialised), Airflow's metadata database beside it, the components; returns
     the exit status once everything it started has stopped, the embedded PostgreSQL included."""
     from photon.pg import EmbeddedPostgres, redact
-    from photon.registry import servers_from_settings
-    from photon.registry_admin import init_registry
+    from photon.registry.admin import init_registry
+    from photon.registry.client import servers_from_settings
     from photon.settings import load_settings
 
     settings = load_settings()

@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from photon.ids import ID_REGEX
-from photon.schemas import MAX_LINE_BYTES, RAW_CAP_BYTES
+from photon.logs.ids import ID_REGEX
+from photon.logs.schemas import MAX_LINE_BYTES, RAW_CAP_BYTES
 
 _ID = re.compile(ID_REGEX)
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import psycopg2.errors
 
-from photon import registry_sql as q
-from photon.migrations import applied, apply_migrations
 from photon.pg import autocommit, redact
-from photon.registry import MAIN, RegistryError, _check_server_names, read_layout
-from photon.sharding import ShardConfig, ShardRef
+from photon.registry import sql as q
+from photon.registry.client import MAIN, RegistryError, _check_server_names, read_layout
+from photon.registry.migrations import applied, apply_migrations
+from photon.registry.sharding import ShardConfig, ShardRef
 
 
 @dataclass
@@ -79,7 +79,7 @@ def add_shard_config(
     """Add shard configuration ``max(version) + 1`` valid from ``valid_from_us``; shard ``i`` goes to server
     ``placement[i % len(placement)]``. Creates the shard tables on their servers and records the configuration
     and shard map on every server. For the owner (``init``, tests); a live registry changes its configuration
-    through the acknowledged, future-dated reshard procedure (``photon.reshard``)."""
+    through the acknowledged, future-dated reshard procedure (``photon.registry.reshard``)."""
     _check_server_names(servers)
     placement = _check_placement(servers, placement)
     if not 1 <= num_shards <= 4096:

@@ -9,10 +9,10 @@ manifest and quarantine records. Files directly in ``<kind>/`` (the layout befor
 listing costs what the folder holds.
 
 A writer puts a closed file under the minute it arrives by its own clock, off from true time by at most the maximum
-clock skew; readers judge by the registry main server's clock (photon/clock.py), off by at most as much. So once the
-server's clock is ``seal_s`` = 2 x skew + margin (``settings.time_bound_s``; 60 s by default) past a partition's end,
-no new file can land there: the partition is sealed, and a reader whose every file of it is consumed moves past it
-for good.
+clock skew; readers judge by the registry main server's clock (photon/registry/clock.py), off by at most as much. So
+once the server's clock is ``seal_s`` = 2 x skew + margin (``settings.time_bound_s``; 60 s by default) past a
+partition's end, no new file can land there: the partition is sealed, and a reader whose every file of it is consumed
+moves past it for good.
 """
 
 from __future__ import annotations

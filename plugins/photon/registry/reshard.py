@@ -42,8 +42,8 @@ from typing import Any
 import psycopg2
 
 from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error
-from photon.registry import MAIN, RegistryError, _check_server_names
-from photon.registry_admin import _check_placement, _ordered, server_clock_us
+from photon.registry.admin import _check_placement, _ordered, server_clock_us
+from photon.registry.client import MAIN, RegistryError, _check_server_names
 
 US = 1_000_000
 DEADLINE_MISSED = "PH001"  # a server's clock is past the plan's activation deadline

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
-from photon.layout import SEAL_S, partition_of, sealed_before
+from photon.logs.layout import SEAL_S, partition_of, sealed_before
 from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,11 @@ def registry_horizon_us(
     """(horizon, the main server's clock), both in epoch microseconds. The horizon is the lowest GC threshold over
     every shard when GC has run on all of them, else ``retention_s`` (GC's default) plus the maximum clock skew before
     the main server's clock. Needs only what the joiner's role may read (``shard_state``, ``clock_us()``)."""
-    from photon import registry_sql as q
-    from photon.gc import DEFAULT_RETENTION_S, gc_target_us
     from photon.pg import autocommit
-    from photon.registry import MAIN, read_layout
-    from photon.registry_admin import server_clock_us
+    from photon.registry import sql as q
+    from photon.registry.admin import server_clock_us
+    from photon.registry.client import MAIN, read_layout
+    from photon.registry.gc import DEFAULT_RETENTION_S, gc_target_us
 
     layout, _ = read_layout(servers[MAIN])
     by_server: dict[str, list[Any]] = {}
@@ -178,8 +178,8 @@ def _index_task(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from photon.durable import write_durably
-        from photon.eventstore import index_of, open_regular, write_index
-        from photon.parse import parse_file_located
+        from photon.joiner.eventstore import index_of, open_regular, write_index
+        from photon.logs.parse import parse_file_located
 
         limit = now_us + int(max_future_s * US)
         for batch in batches:

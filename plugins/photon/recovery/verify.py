@@ -53,18 +53,18 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from psycopg2 import sql
 
-from photon.audit import data_center_of
 from photon.durable import fsync_dir, make_dirs
-from photon.ids import EventKeys, format_id
-from photon.joiner import RECOVERED_PREFIX, batch_tag, publish_files
-from photon.layout import list_closed, partition_of
-from photon.parse import parse_file
+from photon.joiner.joiner import RECOVERED_PREFIX, batch_tag, publish_files
+from photon.logs.ids import EventKeys, format_id
+from photon.logs.layout import list_closed, partition_of
+from photon.logs.parse import parse_file
+from photon.logs.schemas import JOINED, JOINED_SCHEMA
 from photon.pg import autocommit, connect
-from photon.registry import MAIN, read_layout
-from photon.registry_admin import server_clock_us
-from photon.registry_sql import shard_table
-from photon.schemas import JOINED, JOINED_SCHEMA
+from photon.registry.admin import server_clock_us
+from photon.registry.client import MAIN, read_layout
+from photon.registry.sql import shard_table
 from photon.settings import load_settings
+from photon.tools.audit import data_center_of
 
 US = 1_000_000
 # One advisory lock id for "a verifier pass is running" on the main server.
@@ -441,7 +441,7 @@ def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[
     """Rename the intents a pass that died (or lost its lock) left behind, where that is safe: a query intent
     always; a click intent once none of its clicks is held by a token (a click made readable while a row that may
     still be deleted holds it would be dropped by the pre-filter and then lost). The rest wait for a later pass."""
-    from photon.registry import IdRegistry
+    from photon.registry.client import IdRegistry
 
     for kind in ("queries", "clicks"):
         for dc in dcs:
@@ -500,7 +500,7 @@ def _apply(servers: Mapping[str, str], t: pa.Table, statement: str) -> None:
     shard; the statement only touches a row whose token still matches."""
     from psycopg2.extras import execute_values
 
-    from photon.sharding import ShardRef
+    from photon.registry.sharding import ShardRef
 
     for (server, version, shard), part in _by_shard(t).items():
         conn = connect(servers[server])

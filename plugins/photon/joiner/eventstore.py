@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from photon.durable import CorruptStateError, write_durably
-from photon.ids import valid_ids
+from photon.logs.ids import valid_ids
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -114,7 +114,7 @@ class EventStoreCache:
         """(queries, found, stats): row i of ``queries`` is the query of ``query_ids[i]`` where ``found[i]``.
         ``staged`` is the running batch's own staged store: its files are cached under their names, which they keep
         when the batch is committed and moved into the store."""
-        from photon.parse import QUERY_FIELDS
+        from photon.logs.parse import QUERY_FIELDS
 
         stats = LookupStats(lookups=len(query_ids), unreadable=np.zeros(len(query_ids), bool))
         valid, ts = valid_ids(query_ids)
@@ -172,7 +172,7 @@ class EventStoreCache:
     def _read_lines(self, rows: pa.Table, stats: LookupStats) -> tuple[pa.Table, np.ndarray]:
         """The queries of index ``rows`` read back from the logs and parsed again, in row order, and whether each
         read back as the query it was indexed as (a log file deleted or changed since is a miss, and logged)."""
-        from photon.parse import QUERY_FIELDS, parse_file_located
+        from photon.logs.parse import QUERY_FIELDS, parse_file_located
 
         n = rows.num_rows
         if not n:
@@ -306,7 +306,7 @@ def read_store_file(path: Path) -> pa.Table:
 
 
 def _nulls(n: int) -> pa.Table:
-    from photon.parse import QUERY_FIELDS
+    from photon.logs.parse import QUERY_FIELDS
 
     return pa.table({f.name: pa.nulls(n, f.type) for f in QUERY_FIELDS}, schema=QUERY_FIELDS)
 

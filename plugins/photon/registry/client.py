@@ -35,12 +35,12 @@ import pyarrow as pa
 from psycopg2.extensions import ISOLATION_LEVEL_SERIALIZABLE
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from photon import registry_sql as q
-from photon.ids import EventKeys, InvalidEventIdError
-from photon.owners import Token
+from photon.logs.ids import EventKeys, InvalidEventIdError
 from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error, is_transient
+from photon.registry import sql as q
+from photon.registry.owners import Token
+from photon.registry.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
 from photon.settings import MAX_FUTURE_S, Settings, load_settings
-from photon.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
 
 log = logging.getLogger(__name__)
 

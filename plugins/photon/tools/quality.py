@@ -29,13 +29,14 @@ Each check means the same on a live hour and on one backfilled a week later:
 
 The GX project lives in ``<out>/_quality/gx`` and the Data Docs site (HTML) in ``<out>/_quality/data_docs``; both
 folders start with ``_`` so no reader of the output takes them for a pipeline. GX's logging is kept to warnings and
-its progress bars are off; the check logs one line per failed expectation (``photon.quality``).
+its progress bars are off; the check logs one line per failed expectation (``photon.tools.quality``).
 
 **Data Docs offline.** GX's pages load Bootstrap, bootstrap-table (which draws every list, the validation results
 included), jQuery and the rest from CDNs, so without internet they render blank. ``make setup`` installs the npm
-packages those CDN links serve, at the versions the pages name (``plugins/photon/data_docs/package-lock.json``), beside
-the venv; after each run the check copies the few files a page loads into ``<site>/static/vendor/`` and points the
-pages there (the two files GX pins by SRI hash are byte-identical: a test checks the hashes). The Vega scripts are
+packages those CDN links serve, at the versions the pages name
+(``plugins/photon/tools/data_docs/package-lock.json``), beside the venv; after each run the check copies the few files
+a page loads into ``<site>/static/vendor/`` and points the pages there (the two files GX pins by SRI hash are
+byte-identical: a test checks the hashes). The Vega scripts are
 dropped: only distribution expectations (KL divergence) draw charts, and this checkpoint has none. Without the
 assets installed the pages keep their CDN links and a warning says so.
 """
@@ -59,12 +60,12 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from photon.audit import data_center_of, pipelines_in, read_output
-from photon.joiner import RECOVERED_PREFIX, first_event_us
-from photon.layout import MINUTE_US, partition_of
-from photon.parse import parse_file
-from photon.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.joiner.joiner import RECOVERED_PREFIX, first_event_us
+from photon.logs.layout import MINUTE_US, partition_of
+from photon.logs.parse import parse_file
+from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.settings import time_bound_s
+from photon.tools.audit import data_center_of, pipelines_in, read_output
 
 log = logging.getLogger(__name__)
 
@@ -594,7 +595,7 @@ def _run_id(start_us: int, end_us: int) -> Any:
 # -- Data Docs offline ------------------------------------------------------------------------------------------
 
 # Each CDN prefix in GX 1.24's page templates, and where the same file sits in the npm package (of the same name and
-# version) that the CDN serves: plugins/photon/data_docs/package.json pins exactly these.
+# version) that the CDN serves: plugins/photon/tools/data_docs/package.json pins exactly these.
 CDN_TO_PACKAGE = (
     ("https://unpkg.com/bootstrap-table@1.19.1/", "bootstrap-table/"),
     ("https://unpkg.com/bootstrap-table@1.19.0/", "bootstrap-table/"),  # one 0.4 kB stylesheet; 1.19.1's copy

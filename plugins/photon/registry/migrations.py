@@ -9,7 +9,7 @@ from pathlib import Path
 
 from photon.pg import autocommit
 
-SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
+SQL_DIR = Path(__file__).resolve().parents[3] / "sql"
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 # One advisory lock id for "migrating this database": two `init`s at once apply each file exactly once.
 _LOCK_ID = 0x50484F544F4E  # "PHOTON"

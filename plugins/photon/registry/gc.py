@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from photon import registry_sql as q
-from photon.layout import partition_of
+from photon.logs.layout import partition_of
 from photon.pg import autocommit
-from photon.registry import MAIN, read_layout
-from photon.sharding import ShardRef
+from photon.registry import sql as q
+from photon.registry.client import MAIN, read_layout
+from photon.registry.sharding import ShardRef
 
 US = 1_000_000
 DEFAULT_RETENTION_S = 3 * 86_400  # how long the registry remembers an id: longer than any replay of old logs
@@ -73,7 +73,7 @@ def collect_garbage(
     ``now_us`` (tests) replaces the registry server's clock."""
     if retention_s <= 0:
         raise ValueError("retention must be positive")
-    from photon.registry_admin import record_shard_sizes, server_clock_us
+    from photon.registry.admin import record_shard_sizes, server_clock_us
 
     now = server_clock_us(servers[MAIN]) if now_us is None else now_us
     target = gc_target_us(now, retention_s, max_clock_skew_s)

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from photon.layout import list_closed
+from photon.logs.layout import list_closed
 from photon.pg import autocommit
 
 US = 1_000_000
@@ -98,7 +98,7 @@ def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now
         return None
     import pyarrow.parquet as pq
 
-    from photon.joiner import batch_tag
+    from photon.joiner.joiner import batch_tag
 
     folder = out / pipeline / "_state" / "retries" / batch_tag(batch, epoch)
     parts = sorted(folder.glob("*.parquet")) if folder.is_dir() else []

@@ -44,13 +44,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from photon.adapter import ADAPTED_SCHEMA, load_adapter
-from photon.clock import ClockSkewError, ServerClock
 from photon.durable import check_parquet, fsync_dir, make_dirs
-from photon.eventstore import RECOVER_STORE, index_rows, open_regular, read_store_file
-from photon.ids import valid_ids
-from photon.layout import list_closed, part_of_name, partition_of, sealed_before
-from photon.parse import (
+from photon.joiner.adapter import ADAPTED_SCHEMA, load_adapter
+from photon.joiner.eventstore import RECOVER_STORE, index_rows, open_regular, read_store_file
+from photon.joiner.query_index import REASON_QUERY_GC
+from photon.joiner.state import Lease, PipelineState
+from photon.logs.ids import valid_ids
+from photon.logs.layout import list_closed, part_of_name, partition_of, sealed_before
+from photon.logs.parse import (
     BAD_FIELDS,
     CLICK_FIELDS,
     QUERY_FIELDS,
@@ -59,9 +60,7 @@ from photon.parse import (
     parse_file_located,
     parse_query,
 )
-from photon.pipeline_state import Lease, PipelineState
-from photon.query_index import REASON_QUERY_GC
-from photon.schemas import (
+from photon.logs.schemas import (
     JOINED,
     JOINED_SCHEMA,
     QUARANTINE,
@@ -70,6 +69,7 @@ from photon.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
+from photon.registry.clock import ClockSkewError, ServerClock
 from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US, time_bound_s
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class JoinSettings:
     cache_buckets: int = 180  # buckets of queries kept in each Python worker (the CacheEventStore): 30 minutes...
     cache_max_rows: int = 20_000_000  # ...or fewer indexed queries (about 60 bytes each), about a gigabyte
     max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
-    adapter: str = "photon.adapter:default_adapter"
+    adapter: str = "photon.joiner.adapter:default_adapter"
     parallelism: int | None = None  # tasks per stage; None: the session's default parallelism (its cores)
     # A backfill's window: only click files whose first event is stamped in [window_start_us, window_end_us), and
     # query files from max_join_delay_s + window_margin_s before it to window_margin_s after it, so the window's
@@ -213,7 +213,7 @@ def run_adapter(path: str, batch: pa.RecordBatch) -> pa.Table:
 
 def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
     """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
-    from photon.registry import IdRegistry, RegistryOptions
+    from photon.registry.client import IdRegistry, RegistryOptions
 
     key = (*sorted(servers.items()), ("max_future_s", str(max_future_s)))
     if key not in _REGISTRIES:
@@ -395,7 +395,7 @@ def _source_task(
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
-        from photon.eventstore import atomic_write, index_of, write_index
+        from photon.joiner.eventstore import atomic_write, index_of, write_index
 
         stage = Path(t.stage)
         stored: list[pa.Table] = []
@@ -483,9 +483,9 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
 def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int], np.ndarray]:
     """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition.
     Returns the partition's counts and the joined clicks' latencies."""
-    from photon.eventstore import atomic_write, cache_for
-    from photon.owners import Token
-    from photon.registry import Outcome
+    from photon.joiner.eventstore import atomic_write, cache_for
+    from photon.registry.client import Outcome
+    from photon.registry.owners import Token
 
     counts = dict.fromkeys(JOIN_COUNTS, 0)
     stage, state = Path(t.stage), Path(t.state)
@@ -832,7 +832,7 @@ class Joiner:
         """At a lease's start: read the registry's horizon, prune the pipeline's EventStore behind it, and for a
         backfill make sure the data center's shared query index covers every sealed query partition from the horizon
         to the window's end plus the maximum join delay and margins (only partitions not yet indexed are parsed)."""
-        from photon.query_index import ensure_indexed, index_range, index_root, prune, registry_horizon_us
+        from photon.joiner.query_index import ensure_indexed, index_range, index_root, prune, registry_horizon_us
 
         skew = self.s.max_clock_skew_s
         self.horizon_us, now = registry_horizon_us(self.servers, max_clock_skew_s=skew)
@@ -1296,7 +1296,7 @@ class Joiner:
 
     def _quarantine_changed(self, stage: Path, tag: str, now: int) -> int:
         """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
-        from photon.eventstore import atomic_write
+        from photon.joiner.eventstore import atomic_write
 
         n = len(self._changed)
         for kind in ("queries", "clicks"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from photon.ids import EventKeys, parse_id
+from photon.logs.ids import EventKeys, parse_id
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)

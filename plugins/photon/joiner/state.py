@@ -26,9 +26,9 @@ from typing import Any
 
 from psycopg2.extras import execute_values
 
-from photon.layout import part_of_name
-from photon.owners import Token
+from photon.logs.layout import part_of_name
 from photon.pg import autocommit, connect
+from photon.registry.owners import Token
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from photon.schemas import JOINED_SCHEMA
+from photon.logs.schemas import JOINED_SCHEMA
 
 Adapter = Callable[[pa.RecordBatch], pa.RecordBatch]
 ADAPTED_SCHEMA = pa.schema(

@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.layout import partition_of
-from photon.schemas import MANIFEST_DIR, MAX_LINE_BYTES
+from photon.logs.layout import partition_of
+from photon.logs.schemas import MANIFEST_DIR, MAX_LINE_BYTES
 
 log = logging.getLogger(__name__)
 US = 1_000_000

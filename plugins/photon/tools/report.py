@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from photon.pg import autocommit
-from photon.status import handover_gaps
+from photon.tools.status import handover_gaps
 
 US = 1_000_000
 BIN_S = 10

@@ -12,10 +12,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from photon.ids import EventKeys
-from photon.owners import create_owner, end_owner
-from photon.registry import IdRegistry, Outcome, servers_from_settings
-from photon.registry_admin import init_registry
+from photon.logs.ids import EventKeys
+from photon.registry.admin import init_registry
+from photon.registry.client import IdRegistry, Outcome, servers_from_settings
+from photon.registry.owners import create_owner, end_owner
 
 
 def _demo_keys(num_ids: int, seed: int, now: int) -> EventKeys:
@@ -113,18 +113,18 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     import shutil
     import threading
 
-    from photon.audit import audit
     from photon.cli import print_audit
-    from photon.gc import collect_garbage
-    from photon.generator import GeneratorSettings, Outage, generate
-    from photon.joiner import Joiner, JoinSettings
+    from photon.joiner.joiner import Joiner, JoinSettings
+    from photon.logs.schemas import MANIFEST_DIR
     from photon.pg import create_database, with_dbname
-    from photon.registry_admin import record_shard_sizes
-    from photon.report import render_report
-    from photon.reshard import reshard
-    from photon.schemas import MANIFEST_DIR
+    from photon.registry.admin import record_shard_sizes
+    from photon.registry.gc import collect_garbage
+    from photon.registry.reshard import reshard
     from photon.settings import load_settings
     from photon.spark_session import get_spark
+    from photon.tools.audit import audit
+    from photon.tools.generator import GeneratorSettings, Outage, generate
+    from photon.tools.report import render_report
 
     home = load_settings().home
     run = home / "demo" / time.strftime("%Y%m%d-%H%M%S")

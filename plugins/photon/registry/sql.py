@@ -7,7 +7,7 @@ import re
 
 from psycopg2 import sql
 
-from photon.sharding import SHARD_TABLE_RE, ShardRef
+from photon.registry.sharding import SHARD_TABLE_RE, ShardRef
 
 PARTITION_RE = re.compile(r"^ids_c[1-9][0-9]{0,8}_s(0|[1-9][0-9]{0,4})_p[0-9]+$")
 
