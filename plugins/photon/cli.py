@@ -302,7 +302,7 @@ def audit_cmd(
     """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
     Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
     from photon.logs.schemas import MANIFEST_DIR
-    from photon.tools.audit import audit
+    from photon.tools.audit import audit, print_audit
 
     _folder(out, "--out")
     if logs is not None:
@@ -320,40 +320,8 @@ def audit_cmd(
     if as_json:
         typer.echo(report.to_json())
     else:
-        print_audit(report)
+        print_audit(report, console)
     raise typer.Exit(0 if report.ok else 1)
-
-
-def print_audit(report: Any) -> None:
-    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]: " + "; ".join(report.failures())
-    console.print(f"audit against the {report.source}: {verdict}")
-    console.print(
-        f"  input clicks {report.input_clicks:,}; joined rows {report.joined_rows:,}; duplicates "
-        f"{report.duplicate_clicks}; lost {report.lost} {report.lost_by_expectation or ''}; unexpected "
-        f"{report.unexpected}; joined to another query {report.wrong_query}"
-    )
-    console.print(f"  outcomes {report.outcomes}; unjoinable by reason {report.unjoinable_by_reason}")
-    q = report.quarantine
-    console.print(
-        f"  quarantine: expected {q['expected']:,}, found {q['found']:,}, missing {q['missing']}, extra {q['extra']}"
-    )
-    for line in q["files_mismatched"]:
-        console.print(f"    {line}")
-    shares = ", ".join(f"{p} {v['joined']:,} ({v['share']:.1%})" for p, v in report.shares.items())
-    console.print(f"  pipelines' shares of the joins: {shares}")
-    if report.latency_s:
-        lat = report.latency_s
-        console.print(
-            f"  end-to-end latency: p50 {lat['p50']}s, p90 {lat['p90']}s, p99 {lat['p99']}s, max {lat['max']}s"
-        )
-    if report.joined_although_unjoinable or report.joined_and_unjoinable:
-        console.print(
-            f"  note: {report.joined_although_unjoinable} joined although their query came too late; "
-            f"{report.joined_and_unjoinable} joined by one pipeline and given up by another"
-        )
-    for name, ids in report.samples.items():
-        if ids:
-            console.print(f"  {name}: {', '.join(ids)}")
 
 
 @app.command("join")

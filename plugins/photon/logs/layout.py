@@ -13,10 +13,14 @@ clock skew; readers judge by the registry main server's clock (photon/registry/c
 once the server's clock is ``seal_s`` = 2 x skew + margin (``settings.time_bound_s``; 60 s by default) past a
 partition's end, no new file can land there: the partition is sealed, and a reader whose every file of it is consumed
 moves past it for good.
+
+The output side: ``<out>/<pipeline>/`` holds one pipeline's output and the ``_pipeline.json`` its joiner leaves there,
+naming the data center whose logs it read (``data_center_of``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -109,3 +113,12 @@ def list_closed(folder: Path, since: str | None = None) -> Iterator[LogFile]:
 
 def now_us() -> int:
     return int(time.time() * US)
+
+
+def data_center_of(out: Path, pipeline: str) -> str:
+    """The data center whose logs a pipeline read: from the ``_pipeline.json`` the joiner leaves in its folder (a
+    backfill pipeline is named apart from its data center), else the folder's name."""
+    meta = out / pipeline / "_pipeline.json"
+    if meta.is_file():
+        return str(json.loads(meta.read_text())["dc"])
+    return pipeline

@@ -56,7 +56,7 @@ from psycopg2 import sql
 from photon.durable import fsync_dir, make_dirs
 from photon.joiner.joiner import RECOVERED_PREFIX, batch_tag, publish_files
 from photon.logs.ids import EventKeys, format_id
-from photon.logs.layout import list_closed, partition_of
+from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
 from photon.pg import autocommit, connect
@@ -64,7 +64,6 @@ from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
 from photon.settings import load_settings
-from photon.tools.audit import data_center_of
 
 US = 1_000_000
 # One advisory lock id for "a verifier pass is running" on the main server.

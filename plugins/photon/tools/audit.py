@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +25,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from photon.logs.layout import data_center_of
 from photon.logs.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
+
+if TYPE_CHECKING:
+    from rich.console import Console  # print_audit's caller brings its console
 
 SAMPLE = 10
 
@@ -182,15 +186,6 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     return report
 
 
-def data_center_of(out: Path, pipeline: str) -> str:
-    """The data center whose logs a pipeline read: from the ``_pipeline.json`` the joiner leaves in its folder (a
-    backfill pipeline is named apart from its data center), else the folder's name."""
-    meta = out / pipeline / "_pipeline.json"
-    if meta.is_file():
-        return str(json.loads(meta.read_text())["dc"])
-    return pipeline
-
-
 def _quarantine(files: pa.Table, quarantined: pa.Table, dc_of: dict[str, str]) -> dict[str, Any]:
     """Per data center and input file: distinct lines quarantined (by any of its pipelines) against malformed lines
     expected. A line quarantined by two pipelines of one data center (a live joiner and a backfill) counts once."""
@@ -324,3 +319,36 @@ def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
         }
     )
     return clicks_tbl, files
+
+
+def print_audit(report: AuditReport, console: Console) -> None:
+    """The report for a person: the verdict, then one line per measure (``photon audit``, the demo)."""
+    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]: " + "; ".join(report.failures())
+    console.print(f"audit against the {report.source}: {verdict}")
+    console.print(
+        f"  input clicks {report.input_clicks:,}; joined rows {report.joined_rows:,}; duplicates "
+        f"{report.duplicate_clicks}; lost {report.lost} {report.lost_by_expectation or ''}; unexpected "
+        f"{report.unexpected}; joined to another query {report.wrong_query}"
+    )
+    console.print(f"  outcomes {report.outcomes}; unjoinable by reason {report.unjoinable_by_reason}")
+    q = report.quarantine
+    console.print(
+        f"  quarantine: expected {q['expected']:,}, found {q['found']:,}, missing {q['missing']}, extra {q['extra']}"
+    )
+    for line in q["files_mismatched"]:
+        console.print(f"    {line}")
+    shares = ", ".join(f"{p} {v['joined']:,} ({v['share']:.1%})" for p, v in report.shares.items())
+    console.print(f"  pipelines' shares of the joins: {shares}")
+    if report.latency_s:
+        lat = report.latency_s
+        console.print(
+            f"  end-to-end latency: p50 {lat['p50']}s, p90 {lat['p90']}s, p99 {lat['p99']}s, max {lat['max']}s"
+        )
+    if report.joined_although_unjoinable or report.joined_and_unjoinable:
+        console.print(
+            f"  note: {report.joined_although_unjoinable} joined although their query came too late; "
+            f"{report.joined_and_unjoinable} joined by one pipeline and given up by another"
+        )
+    for name, ids in report.samples.items():
+        if ids:
+            console.print(f"  {name}: {', '.join(ids)}")

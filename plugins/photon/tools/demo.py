@@ -113,7 +113,6 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     import shutil
     import threading
 
-    from photon.cli import print_audit
     from photon.joiner.joiner import Joiner, JoinSettings
     from photon.logs.schemas import MANIFEST_DIR
     from photon.pg import create_database, with_dbname
@@ -122,7 +121,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     from photon.registry.reshard import reshard
     from photon.settings import load_settings
     from photon.spark_session import get_spark
-    from photon.tools.audit import audit
+    from photon.tools.audit import audit, print_audit
     from photon.tools.generator import GeneratorSettings, Outage, generate
     from photon.tools.report import render_report
 
@@ -200,7 +199,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     if errors:
         raise errors[0]
     report = audit(out, manifest=logs / MANIFEST_DIR)
-    print_audit(report)
+    print_audit(report, console)
     # Once everything is decided: a GC run that keeps one minute (the shard-size chart shows what it frees).
     record_shard_sizes(servers, "sample")
     freed = collect_garbage(servers, retention_s=60, max_clock_skew_s=10)

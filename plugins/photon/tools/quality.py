@@ -61,11 +61,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from photon.joiner.joiner import RECOVERED_PREFIX, first_event_us
-from photon.logs.layout import MINUTE_US, partition_of
+from photon.logs.layout import MINUTE_US, data_center_of, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.settings import time_bound_s
-from photon.tools.audit import data_center_of, pipelines_in, read_output
+from photon.tools.audit import pipelines_in, read_output
 
 log = logging.getLogger(__name__)
 
