@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.state import PipelineState
 from photon.logs.layout import partition_of, sealed_before
 from photon.pg import EmbeddedPostgres, autocommit, create_database, drop_database
@@ -37,7 +37,7 @@ SIZES = (20_000, 200_000, 2_000_000)
 _LEASE_START = """
 import json, sys, time
 from pathlib import Path
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 
 def peak_mb():  # this process's own peak (VmHWM starts afresh at exec; ru_maxrss would carry the parent's)
     for line in open("/proc/self/status"):

@@ -198,8 +198,8 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
     import pathlib
 
     import photon.joiner.eventstore as eventstore
-    import photon.joiner.joiner as joiner_mod
-    from photon.joiner.joiner import Joiner, JoinSettings
+    import photon.joiner.lease as joiner_mod
+    from photon.joiner.lease import Joiner, JoinSettings
     from photon.registry.client import IdRegistry
 
     j = Joiner(dc, logs, root, servers, spark, JoinSettings(trigger_interval_s=0.0))

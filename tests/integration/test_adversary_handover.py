@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg2 import sql
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.state import PipelineState
 from photon.pg import autocommit
 from photon.registry.admin import init_registry

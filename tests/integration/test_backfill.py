@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.query_index import REASON_QUERY_GC
 from photon.logs.layout import log_path
 from photon.registry.admin import advance_gc_threshold, init_registry

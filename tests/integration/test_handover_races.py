@@ -13,8 +13,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-import photon.joiner.joiner as joiner_mod
-from photon.joiner.joiner import Joiner, JoinSettings
+import photon.joiner.lease as joiner_mod
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.state import FencedError, Lease
 from photon.logs.layout import partition_of
 from photon.pg import autocommit

@@ -13,7 +13,7 @@ import psycopg2
 import psycopg2.errors
 import pytest
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.state import PipelineState
 from photon.logs.ids import make_id
 from photon.pg import autocommit, connect

@@ -19,7 +19,7 @@ import psycopg2
 import pyarrow.parquet as pq
 import pytest
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.joiner.state import FencedError
 from photon.logs.parse import parse_file
 from photon.pg import autocommit

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from photon.joiner.joiner import Joiner, JoinSettings
+from photon.joiner.lease import Joiner, JoinSettings
 from photon.registry.clock import ServerClock
 
 
@@ -85,7 +85,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     not changed for ``settle_s`` as this reader saw it is taken (a crashed writer's: its last line is quarantined)."""
     import time
 
-    from photon.joiner.joiner import read_whole
+    from photon.joiner.lease import read_whole
 
     clicks = tmp_path / "logs" / "dc-a" / "clicks"
     old_part, new_part = "20250101/0000", "20250101/0001"  # sealed long ago: only a waiting file holds the mark
@@ -126,7 +126,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     assert read_whole(whole)[0] == b'{"a": 1}\n'
     assert read_whole(clicks / "gone.jsonl")[0] is None
     # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
-    from photon.joiner.joiner import _marks_before
+    from photon.joiner.lease import _marks_before
 
     marks = _marks_before({"clicks": new_part, "queries": None}, {("clicks", f"{old_part}/torn.jsonl")})
     assert marks == {"clicks": old_part, "queries": None}
@@ -153,7 +153,7 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     seen it unchanged (size and mtime) for ``settle_s``, whatever its mtime says; the task reads it only as seen."""
     import time
 
-    from photon.joiner.joiner import read_whole
+    from photon.joiner.lease import read_whole
 
     part = "20250101/0000"  # sealed long ago: only a waiting file holds the mark
     clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
@@ -202,7 +202,7 @@ def test_a_directory_or_a_named_pipe_named_like_a_log_file_is_skipped_not_a_cras
     joiner = _joiner(tmp_path)
     assert joiner._new_files()[1] == [f"{part}/good.jsonl"]
     assert joiner._next_marks["clicks"] != part
-    from photon.joiner.joiner import read_whole
+    from photon.joiner.lease import read_whole
 
     assert read_whole(clicks / "pipe.jsonl")[0] is None and read_whole(clicks / "old.jsonl")[0] is None  # no hang
 
@@ -235,7 +235,7 @@ def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is
     assert joiner._next_marks["clicks"] != part
     assert "still changing" in caplog.text and "growing.jsonl" in caplog.text
     # The task reads it as it is then, even changed since the listing (it may never stop), once stable during the read
-    from photon.joiner.joiner import read_whole
+    from photon.joiner.lease import read_whole
 
     t = joiner._task("t", 0, tmp_path / "stage", 0)
     with open(growing, "ab") as fh:

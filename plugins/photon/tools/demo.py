@@ -113,7 +113,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     import shutil
     import threading
 
-    from photon.joiner.joiner import Joiner, JoinSettings
+    from photon.joiner.lease import Joiner, JoinSettings
     from photon.logs.schemas import MANIFEST_DIR
     from photon.pg import create_database, with_dbname
     from photon.registry.admin import record_shard_sizes

@@ -60,7 +60,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from photon.joiner.joiner import RECOVERED_PREFIX, first_event_us
+from photon.joiner.lease import RECOVERED_PREFIX, first_event_us
 from photon.logs.layout import MINUTE_US, data_center_of, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
