@@ -3,7 +3,7 @@
 One data center's click folder fills, in arrival partitions (100 files a second: 6,000 per minute), with 20,000,
 then 200,000, then 2,000,000 closed files, all consumed by a pipeline whose last batch recorded its listing mark as a
 caught-up joiner does; a few new files keep arriving in the partition of now. At each size, side by side:
-- trigger: the time one trigger takes to find the new files (the joiner's own ``_new_files``), median of 20;
+- trigger: the time one trigger takes to find the new files (the joiner's own ``Discovery.new_files``), median of 20;
 - lease start: the time ``Joiner.start()`` takes, and the memory it adds (its consumed-file set), in a fresh process;
 - for contrast, the same two figures with the marks of a pipeline that lists everything (as before partitions).
 It removes what it created. Last line: the figures as one JSON object.
@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.logs.layout import partition_of, sealed_before
 from photon.pg import EmbeddedPostgres, autocommit, create_database, drop_database
@@ -37,7 +38,8 @@ SIZES = (20_000, 200_000, 2_000_000)
 _LEASE_START = """
 import json, sys, time
 from pathlib import Path
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 
 def peak_mb():  # this process's own peak (VmHWM starts afresh at exec; ru_maxrss would carry the parent's)
     for line in open("/proc/self/status"):
@@ -53,7 +55,8 @@ t = time.perf_counter()
 joiner.start()
 took = time.perf_counter() - t
 after = peak_mb()
-print(json.dumps({"seconds": took, "added_mb": after - before, "rss_mb": after, "consumed": len(joiner.consumed)}))
+consumed = len(joiner.discovery.consumed)
+print(json.dumps({"seconds": took, "added_mb": after - before, "rss_mb": after, "consumed": consumed}))
 """
 
 
@@ -84,7 +87,7 @@ def trigger_s(joiner: Joiner, repeat: int = 20) -> float:
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        joiner._new_files()
+        joiner.discovery.new_files()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -143,12 +146,12 @@ def main() -> None:
                 new.touch()
             joiner = Joiner("dc-a", logs, tmp / "out", {"main": dsn}, None, JoinSettings(parallelism=1))
             joiner.start()
-            found = len(joiner._new_files()[1])
+            found = len(joiner.discovery.new_files()[1])
             row: dict[str, Any] = {"files": size, "setup_s": round(setup, 1), "new_found": found}
             row["trigger_s"] = trigger_s(joiner)
             row["lease_start"] = lease_start(logs, dsn, everything=False)
-            joiner.marks = {"queries": None, "clicks": None}
-            joiner.consumed = state.consumed()
+            joiner.discovery.marks = {"queries": None, "clicks": None}
+            joiner.discovery.consumed = state.consumed()
             row["trigger_s_listing_everything"] = trigger_s(joiner, repeat=3)
             row["lease_start_listing_everything"] = lease_start(logs, dsn, everything=True)
             results[size] = row

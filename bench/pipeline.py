@@ -34,7 +34,8 @@ import numpy as np
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from bench.side_by_side import default_workload, long_non_ascii_workload, run_workload, warm_up
-from photon.joiner.lease import BatchResult, Joiner, JoinSettings
+from photon.joiner.common import BatchResult, JoinSettings
+from photon.joiner.lease import Joiner
 from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
 from photon.pg import EmbeddedPostgres, create_database
 from photon.registry.admin import init_registry

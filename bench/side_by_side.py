@@ -26,7 +26,8 @@ import pyarrow.dataset as ds
 
 from bench.peer import configure, run_peer
 from bench.stages import DriverClock, last_stage_id, replay, spark_stages
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.pg import EmbeddedPostgres, create_database
 from photon.registry.admin import init_registry
 from photon.tools.generator import GeneratorSettings, generate

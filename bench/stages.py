@@ -74,12 +74,12 @@ class DriverClock:
 
     def attach(self, joiner: Any, *, batch: bool = True) -> None:
         joiner.start = self.timers.wrap("lease start", joiner.start)
-        joiner._new_files = self.timers.wrap("discover new files", joiner._new_files)
-        joiner._retry_counts = self.timers.wrap("retry check", joiner._retry_counts)
+        joiner.discovery.new_files = self.timers.wrap("discover new files", joiner.discovery.new_files)
+        joiner.batches.retry_counts = self.timers.wrap("retry check", joiner.batches.retry_counts)
         if batch:  # the rest of a batch beside its Spark job, commit and publish
-            joiner.run_batch = self.timers.wrap("batch (other)", joiner.run_batch)
+            joiner.batches.run_batch = self.timers.wrap("batch (other)", joiner.batches.run_batch)
         joiner.state.commit = self.timers.wrap("commit", joiner.state.commit)
-        joiner._publish = self.timers.wrap("publish", joiner._publish)
+        joiner.batches.publish = self.timers.wrap("publish", joiner.batches.publish)
 
     def seconds(self, results: list[Any]) -> dict[str, float]:
         """By step; the Spark job (and the footers it counts) from each batch's own ``duration_s``."""
@@ -198,24 +198,27 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
     import pathlib
 
     import photon.joiner.eventstore as eventstore
-    import photon.joiner.lease as joiner_mod
-    from photon.joiner.lease import Joiner, JoinSettings
+    import photon.joiner.tasks as joiner_tasks
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.registry.client import IdRegistry
 
     j = Joiner(dc, logs, root, servers, spark, JoinSettings(trigger_interval_s=0.0))
     stage_s: list[float] = []
 
     def local_tasks(n: int) -> _LocalFrame:
-        groups = np.array_split(np.arange(n), max(1, min(n, j.parallelism)))  # contiguous, as spark.range splits
+        groups = np.array_split(
+            np.arange(n), max(1, min(n, j.batches.parallelism))
+        )  # contiguous, as spark.range splits
         return _LocalFrame([[pa.record_batch({"id": pa.array(g, pa.int64())})] for g in groups], stage_s)
 
-    j._tasks = local_tasks  # type: ignore[method-assign]
+    j.batches._tasks = local_tasks  # type: ignore[method-assign]
     clock = DriverClock()
     clock.attach(j, batch=False)
     timers = clock.timers
     patches = [
         (pathlib.Path, "read_bytes", "read files"),
-        (joiner_mod, "parse_file_located", "parse"),
+        (joiner_tasks, "parse_file_located", "parse"),
         (eventstore, "write_index", "EventStore index (bucketing)"),
         (eventstore, "_write_ipc", "EventStore index write"),
         (eventstore, "atomic_write", "Parquet encode + write"),
@@ -223,7 +226,7 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
         (IdRegistry, "lookup", "registry pre-filter lookup"),
         (eventstore.EventStoreCache, "lookup", "EventStore lookup"),
         (eventstore.EventStoreCache, "_read_lines", "EventStore: query lines read back and parsed"),
-        (joiner_mod, "run_adapter", "adapter"),
+        (joiner_tasks, "run_adapter", "adapter"),
         (IdRegistry, "register", "registry register"),
     ]
     cpus = pa.cpu_count()

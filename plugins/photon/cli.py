@@ -371,7 +371,8 @@ def join_cmd(
     ] = 120.0,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.joiner.state import PipelineState
     from photon.registry.client import read_layout
     from photon.registry.clock import ClockSkewError, ServerClock

@@ -22,8 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from photon.joiner.common import JoinSettings
 from photon.joiner.eventstore import index_of, write_index
-from photon.joiner.lease import Joiner, JoinSettings, join_partition
+from photon.joiner.lease import Joiner
+from photon.joiner.tasks import join_partition
 from photon.logs.layout import log_path
 from photon.logs.parse import parse_file_located
 from tests.integration.test_hostile_input import candidates, outputs, query_line

@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg2 import sql
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.pg import autocommit
 from photon.registry.admin import init_registry
@@ -72,7 +73,7 @@ def standbys_locked(joiner_dsn: str, admin_dsn: str) -> Iterator[str]:
 
 
 def test_the_hold_never_outlasts_term_plus_wait_by_a_trigger_interval(tmp_path: Path, servers: dict[str, str]) -> None:
-    """Break. ``_lease_over`` holds whenever ``now < deadline + wait_s``, then sleeps a whole trigger interval and
+    """Break. ``Term.lease_over`` holds whenever ``now < deadline + wait_s``, then sleeps a whole trigger interval and
     checks again: with a 3 s trigger, a 3 s term and 0.5 s of wait, the lease held the pipeline until 6 s (twice
     its term, 2.5 s past the bound); with the DAG's own bounds (trigger_interval_s up to 60 s) up to a minute past
     it, idle, the pipeline unavailable to anyone else."""

@@ -159,9 +159,9 @@ def test_a_standbys_query_that_is_never_answered_never_keeps_a_lease_past_term_p
         with standby(PipelineState(servers["main"], "dc-a")):  # starting, never ready; announced directly
             t0 = time.monotonic()
             thread, done = lease_in_thread(j, 1.0, 1.5)
-            while not j._holding and not done.is_set() and time.monotonic() - t0 < 5:
+            while not j.term.holding and not done.is_set() and time.monotonic() - t0 < 5:
                 time.sleep(0.02)
-            assert j._holding, "the lease should hold for its starting standby"
+            assert j.term.holding, "the lease should hold for its starting standby"
             proxy.freeze.set()  # from now on, no standbys query is answered
             ended = done.wait(max(0.0, t0 + 1.0 + 1.5 + 3.0 - time.monotonic()))  # + a connect_timeout and more
             took = time.monotonic() - t0
@@ -183,7 +183,7 @@ def test_a_connect_that_hangs_never_keeps_a_lease_past_term_plus_wait(tmp_path: 
             t0 = time.monotonic()
             thread, done = lease_in_thread(j, term, wait)
             time.sleep(term + wait - 0.45)  # the hold's polls run every 0.25 s: one starts in the next 0.25 s
-            assert j._holding
+            assert j.term.holding
             proxy.blackhole.set()
             done.wait(10)
             took = time.monotonic() - t0

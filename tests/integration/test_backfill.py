@@ -14,7 +14,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.query_index import REASON_QUERY_GC
 from photon.logs.layout import log_path
 from photon.registry.admin import advance_gc_threshold, init_registry
@@ -123,4 +124,4 @@ def test_live_store_pruned_behind_the_horizon_and_older_queries_unjoinable(
     assert [(r["click_id"], r["query_ts_us"]) for r in joined] == [(f"10.0.0.2-8-{now - 1 * US}", recent)]
     assert [(r["click_id"], r["reason"]) for r in unjoinable] == [(f"10.0.0.2-8-{now - 2 * US}", REASON_QUERY_GC)]
     assert {p.name for p in store.iterdir()} == {f"bucket={recent // (10 * US)}"}
-    assert second.horizon_us == horizon
+    assert second.batches.horizon_us == horizon

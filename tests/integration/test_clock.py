@@ -31,7 +31,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.logs.layout import partition_of
 from photon.registry.admin import init_registry, server_clock_us

@@ -13,7 +13,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from photon.joiner.lease import REASON_GC, Joiner, JoinSettings
+from photon.joiner.common import REASON_GC, JoinSettings
+from photon.joiner.lease import Joiner
 from photon.logs.ids import make_id
 from photon.logs.layout import log_path, partition_of
 from photon.registry.admin import init_registry, status

@@ -13,8 +13,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-import photon.joiner.lease as joiner_mod
-from photon.joiner.lease import Joiner, JoinSettings
+import photon.joiner.batch as batch_mod
+import photon.joiner.discovery as discovery_mod
+import photon.joiner.lease as lease_mod
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import FencedError, Lease
 from photon.logs.layout import partition_of
 from photon.pg import autocommit
@@ -102,11 +105,16 @@ def test_a_lease_whose_clock_is_behind_never_moves_the_listing_mark_back(
 
     old = int(time.time() * US) - 600 * US  # old clicks whose queries never come: unjoinable at once
     click_file(logs, partition_of((minute - 90) * US), "10.0.0.1-5-1.jsonl", old)  # two minutes back
-    monkeypatch.setattr(joiner_mod, "time", clock(minute + 1.0))  # lease 1: just after the minute turned
+
+    def set_clock(at_s: float) -> None:  # the driver's parts: the lease, its listing and its batches
+        for module in (lease_mod, discovery_mod, batch_mod):
+            monkeypatch.setattr(module, "time", clock(at_s))
+
+    set_clock(minute + 1.0)  # lease 1: just after the minute turned
     j1 = Joiner("dc-a", logs, out, servers, spark, settings)
     j1.run(max_batches=1)
     j1.release()
-    monkeypatch.setattr(joiner_mod, "time", clock(minute - 0.5))  # lease 2: its clock 1.5 s behind
+    set_clock(minute - 0.5)  # lease 2: its clock 1.5 s behind
     click_file(logs, partition_of(int(time.time() * US)), "10.0.0.1-5-2.jsonl", old + US)
     j2 = Joiner("dc-a", logs, out, servers, spark, settings)
     j2.run(until_caught_up=True, max_batches=3)  # raised UniqueViolation on consumed_files before

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from psycopg2 import sql
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState, StandbyAnnouncement
 from photon.pg import autocommit
 from photon.registry.admin import init_registry

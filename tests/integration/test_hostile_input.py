@@ -15,15 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.joiner.adapter import default_adapter
+from photon.joiner.common import REASON_BEFORE, REASON_LOG_GONE, REASON_TOO_LATE
 from photon.joiner.eventstore import index_of, index_rows, write_index
-from photon.joiner.lease import (
-    CANDIDATE,
-    REASON_BEFORE,
-    REASON_LOG_GONE,
-    REASON_TOO_LATE,
-    _source_task,
-    join_partition,
-)
+from photon.joiner.tasks import CANDIDATE, _source_task, join_partition
 from photon.logs.parse import parse_file_located
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from tests.integration.test_joiner import partition_task
@@ -205,7 +199,7 @@ def test_a_file_the_parser_still_chokes_on_is_quarantined_whole_and_the_batch_go
 ) -> None:
     """The last resort, for a parser bug nobody has found yet (injected here): one file is quarantined whole with the
     reason, and the other files of the task are read as usual."""
-    import photon.joiner.lease
+    import photon.joiner.tasks
 
     now = int(time.time() * US)
     task = partition_task(tmp_path, servers, now, 120 * US)
@@ -213,14 +207,14 @@ def test_a_file_the_parser_still_chokes_on_is_quarantined_whole_and_the_batch_go
     poison.write_bytes(b'{"click_id": "whatever"}\n')
     click = {"click_id": f"10.0.0.1-5-{now - US}", "ts_us": now - US, "query_id": f"10.0.0.2-6-{now - 2 * US}"}
     good.write_bytes(json.dumps(click | {"ad_id": "a1"}).encode() + b"\n")
-    real = photon.joiner.lease.parse_file_located
+    real = photon.joiner.tasks.parse_file_located
 
     def choking(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table, Any, Any]:
         if name == poison.name:
             raise RecursionError("maximum recursion depth exceeded")
         return real(name, content, kind)
 
-    monkeypatch.setattr(photon.joiner.lease, "parse_file_located", choking)
+    monkeypatch.setattr(photon.joiner.tasks, "parse_file_located", choking)
     emitted = run_source_task(task, [("clicks", poison), ("clicks", good)])
     assert sum(b.num_rows for b in emitted) == 1
     (whole,) = outputs(task, QUARANTINE)
@@ -239,7 +233,8 @@ def test_a_truncated_or_empty_state_file_at_lease_start_is_a_clear_error_naming_
     import sys
 
     from photon.durable import CorruptStateError
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from tests.integration.test_joiner import ROOT, make_logs
 
     logs = make_logs(tmp_path / "logs", seconds=6, lost_query_fraction=0.0, malformed_fraction=0.0)
@@ -314,7 +309,8 @@ def test_poison_files_dropped_into_both_replicas_while_both_joiners_run(
     click is joined once, and no lease fails: the good clicks of the poison files' batches are joined too."""
     import threading
 
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.tools.audit import audit
     from tests.integration.test_joiner import joined_ids, make_logs
 
@@ -412,7 +408,8 @@ def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_repor
     import itertools
     import threading
 
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.logs.layout import log_path
     from tests.integration.test_joiner import joined_ids
 
@@ -476,7 +473,8 @@ def test_a_file_the_task_finds_still_changing_is_not_consumed_by_its_batch(
 ) -> None:
     """The task's own check, for a file that changed between the listing and the read (here: listed by hand, torn
     and fresh): the task leaves it, writes its marker, and the batch commits without it, so it is read again."""
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.logs.layout import log_path
 
     logs, out = tmp_path / "logs", tmp_path / "out"
@@ -489,10 +487,10 @@ def test_a_file_the_task_finds_still_changing_is_not_consumed_by_its_batch(
     j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=1, settle_s=60))  # a cold job takes 6 s
     j.start()
     rel = torn.relative_to(logs / "dc-a" / "clicks").as_posix()
-    result = j.run_batch(1, [], [rel])
+    result = j.batches.run_batch(j.lease, 1, [], [rel])
     assert result.metrics["clicks"] == 0 and result.metrics["quarantined"] == 0, result.metrics
-    assert ("clicks", rel) not in j.consumed and ("clicks", rel) not in j.state.consumed()
-    assert j.marks["clicks"] is None or j.marks["clicks"] <= rel.rpartition("/")[0]  # listed again
+    assert ("clicks", rel) not in j.discovery.consumed and ("clicks", rel) not in j.state.consumed()
+    assert j.discovery.marks["clicks"] is None or j.discovery.marks["clicks"] <= rel.rpartition("/")[0]  # listed again
     j.release()
 
 
@@ -502,7 +500,8 @@ def test_a_consumed_file_replaced_by_rename_with_its_size_and_mtime_is_reported(
     """Review: a consumed click file replaced by a rename (a re-shipped replica, ``cp -p`` then ``mv``) with the same
     size and modification time but other clicks looked unchanged: its new clicks were never read, and nothing said
     so. A different file (inode) in its place is reported like any other change."""
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.logs.layout import log_path
 
     logs, out = tmp_path / "logs", tmp_path / "out"
@@ -519,7 +518,7 @@ def test_a_consumed_file_replaced_by_rename_with_its_size_and_mtime_is_reported(
     j = Joiner("dc-a", logs, out, servers, spark, JoinSettings(parallelism=1))
     j.run(until_caught_up=True, max_batches=2)
     rel = target.relative_to(logs / "dc-a" / "clicks").as_posix()
-    assert ("clicks", rel) in j.consumed
+    assert ("clicks", rel) in j.discovery.consumed
     st = os.stat(target)
     other = target.with_name(".10.0.0.1-5-1.jsonl.tmp")
     other.write_bytes(click(now + 1) + b"\n")  # the same length: another click

@@ -14,7 +14,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.logs.layout import log_path
 from photon.pg import autocommit
 from photon.tools.audit import audit
@@ -176,7 +177,7 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
     would be missed. A recovered click's deadline runs from its recovery."""
     import pyarrow as pa
 
-    from photon.joiner.lease import CANDIDATE, join_partition
+    from photon.joiner.tasks import CANDIDATE, join_partition
 
     now = int(time.time() * US)
     delay = 20 * US
@@ -203,7 +204,7 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
 
 
 def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int) -> Any:
-    from photon.joiner.lease import _Task
+    from photon.joiner.tasks import _Task
 
     return _Task(
         dc="dc-a",
@@ -230,7 +231,7 @@ def test_a_recovered_copy_lends_its_deadline_to_the_copy_kept(tmp_path: Path, se
     re-dispatches it: the two copies meet in one batch. Whichever is kept, its deadline runs from the recovery."""
     import pyarrow as pa
 
-    from photon.joiner.lease import CANDIDATE, join_partition
+    from photon.joiner.tasks import CANDIDATE, join_partition
 
     now = int(time.time() * US)
     click, query = f"10.0.0.1-5-{now - 300 * US}", f"10.0.0.2-6-{now - 301 * US}"

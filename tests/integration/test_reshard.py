@@ -13,7 +13,8 @@ import psycopg2
 import psycopg2.errors
 import pytest
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.logs.ids import make_id
 from photon.pg import autocommit, connect

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from photon.cli import app
-from photon.joiner.lease import batch_tag
+from photon.joiner.common import batch_tag
 from photon.joiner.state import PipelineState
 from photon.registry.admin import init_registry
 

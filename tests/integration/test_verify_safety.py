@@ -19,7 +19,8 @@ import psycopg2
 import pyarrow.parquet as pq
 import pytest
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.joiner.state import FencedError
 from photon.logs.parse import parse_file
 from photon.pg import autocommit
@@ -104,7 +105,7 @@ def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
     out = tmp_path / "out"
     first = Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS)
     first.run(max_batches=1)
-    q_files, c_files = first._new_files()
+    q_files, c_files = first.discovery.new_files()
     assert first.lease is not None and c_files
     with IdRegistry(roles.joiner) as reg:  # batch 2's registration, as the lease's executors do it
         reg.register(click_ids(logs, "dc-a", c_files), first.lease.token(2))
@@ -113,7 +114,7 @@ def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
     def commit_batch_2() -> None:
         try:
             if who == "idle_lease":
-                first.run_batch(2, q_files, c_files)
+                first.batches.run_batch(first.lease, 2, q_files, c_files)
             else:
                 Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(max_batches=1)
         except FencedError:
@@ -269,7 +270,7 @@ def strand_batch_2(logs: Path, out: Path, roles: Roles, spark: Any) -> list[str]
     """dc-a commits batch 1, registers batch 2 (as its executors do) and dies; returns batch 2's click ids."""
     a = Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS)
     a.run(max_batches=1)
-    _, c_files = a._new_files()
+    _, c_files = a.discovery.new_files()
     assert a.lease is not None and c_files
     stranded = click_ids(logs, "dc-a", c_files)
     with IdRegistry(roles.joiner) as reg:

@@ -413,7 +413,8 @@ class Nemesis:
             self._reap_verifier(time.monotonic() - t0)
 
     def _drain(self) -> None:
-        from photon.joiner.lease import Joiner, JoinSettings
+        from photon.joiner.common import JoinSettings
+        from photon.joiner.lease import Joiner
 
         settings = JoinSettings(max_join_delay_s=MAX_JOIN_DELAY_S, trigger_interval_s=0.5)
         for dc in DCS:

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from photon.joiner.lease import Joiner, JoinSettings
+from photon.joiner.common import JoinSettings
+from photon.joiner.lease import Joiner
 from photon.registry.clock import ServerClock
 
 
@@ -34,11 +35,11 @@ def test_oldest_arrivals_and_recovered_files_first(tmp_path: Path) -> None:
         settings,
         clock=ServerClock.assumed(),
     )
-    queries, taken = joiner._new_files()
+    queries, taken = joiner.discovery.new_files()
     assert queries == []
     assert taken == ["recovered-1795000000000000.jsonl", "9.9.9.9-1-1.jsonl", "1.1.1.1-1-5.jsonl"]
-    joiner.consumed.update(("clicks", n) for n in taken)
-    assert joiner._new_files()[1] == ["1.1.1.1-1-7.jsonl"]
+    joiner.discovery.consumed.update(("clicks", n) for n in taken)
+    assert joiner.discovery.new_files()[1] == ["1.1.1.1-1-7.jsonl"]
 
 
 def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sealed_ones(tmp_path: Path) -> None:
@@ -64,17 +65,17 @@ def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sea
         JoinSettings(max_click_files=2, parallelism=1),
         clock=ServerClock.assumed(),
     )
-    _, taken = joiner._new_files()
+    _, taken = joiner.discovery.new_files()
     assert taken == [f"{partition_of(old)}/1.1.1.1-1-1.jsonl", f"{partition_of(old)}/1.1.1.1-1-2.jsonl"]
-    assert joiner._next_marks["clicks"] == min(partition_of(recent), sealed_before(now))
+    assert joiner.discovery.next_marks["clicks"] == min(partition_of(recent), sealed_before(now))
     # The batch commits: the hour-old partition is behind the mark, and a file put there now is never listed.
-    joiner.marks = dict(joiner._next_marks)
-    joiner.consumed.update(("clicks", n) for n in taken)
+    joiner.discovery.marks = dict(joiner.discovery.next_marks)
+    joiner.discovery.consumed.update(("clicks", n) for n in taken)
     touch(log_path(logs, "dc-a", "clicks", "1.1.1.1-1-9.jsonl", old), old // us)
     # A replica catching up an hour late, and a recovered file: both arrive now, in the partition of now.
     touch(log_path(logs, "dc-a", "clicks", "2.2.2.2-1-1.jsonl", now), now // us)
     touch(log_path(logs, "dc-a", "clicks", "recovered-1.jsonl", now), now // us)
-    _, taken = joiner._new_files()
+    _, taken = joiner.discovery.new_files()
     assert [n.rsplit("/", 1)[1] for n in taken] == ["recovered-1.jsonl", "1.1.1.1-1-3.jsonl"]
 
 
@@ -85,7 +86,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     not changed for ``settle_s`` as this reader saw it is taken (a crashed writer's: its last line is quarantined)."""
     import time
 
-    from photon.joiner.lease import read_whole
+    from photon.joiner.tasks import read_whole
 
     clicks = tmp_path / "logs" / "dc-a" / "clicks"
     old_part, new_part = "20250101/0000", "20250101/0001"  # sealed long ago: only a waiting file holds the mark
@@ -110,14 +111,15 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
         settings,
         clock=ServerClock.assumed(),
     )
-    _, taken = joiner._new_files()
+    _, taken = joiner.discovery.new_files()
     assert taken == [f"{new_part}/whole.jsonl"]  # settled.jsonl's old mtime proves nothing (the file server's clock)
     # settled.jsonl as this reader first saw it 6 s ago, unchanged since: taken
     key = ("clicks", f"{new_part}/settled.jsonl")
-    joiner._seen[key] = (*joiner._seen[key][:2], joiner._seen[key][2] - 6, joiner._seen[key][3])
-    _, taken = joiner._new_files()
+    seen = joiner.discovery._seen
+    seen[key] = (*seen[key][:2], seen[key][2] - 6, seen[key][3])
+    _, taken = joiner.discovery.new_files()
     assert sorted(taken) == [f"{new_part}/settled.jsonl", f"{new_part}/whole.jsonl"]
-    assert joiner._next_marks["clicks"] == old_part  # torn.jsonl is listed again
+    assert joiner.discovery.next_marks["clicks"] == old_part  # torn.jsonl is listed again
     # The task's own check, for a file that changed between the listing and the read.
     assert read_whole(torn)[0] is None and read_whole(empty)[0] is None
     st = os.stat(torn)
@@ -126,7 +128,7 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     assert read_whole(whole)[0] == b'{"a": 1}\n'
     assert read_whole(clicks / "gone.jsonl")[0] is None
     # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
-    from photon.joiner.lease import _marks_before
+    from photon.joiner.discovery import _marks_before
 
     marks = _marks_before({"clicks": new_part, "queries": None}, {("clicks", f"{old_part}/torn.jsonl")})
     assert marks == {"clicks": old_part, "queries": None}
@@ -153,7 +155,7 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     seen it unchanged (size and mtime) for ``settle_s``, whatever its mtime says; the task reads it only as seen."""
     import time
 
-    from photon.joiner.lease import read_whole
+    from photon.joiner.tasks import read_whole
 
     part = "20250101/0000"  # sealed long ago: only a waiting file holds the mark
     clicks = tmp_path / "logs" / "dc-a" / "clicks" / part
@@ -165,14 +167,14 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     os.utime(behind, (past, past))
     os.utime(ahead, (4102444800, 4102444800))  # 2100-01-01
     joiner = _joiner(tmp_path, settle_s=0.5, max_clock_skew_s=10.0)
-    assert joiner._new_files()[1] == []  # first sighting: still possibly being written
-    assert joiner._next_marks["clicks"] == part
+    assert joiner.discovery.new_files()[1] == []  # first sighting: still possibly being written
+    assert joiner.discovery.next_marks["clicks"] == part
     time.sleep(0.6)
-    taken = joiner._new_files()[1]
+    taken = joiner.discovery.new_files()[1]
     assert sorted(taken) == [f"{part}/ahead.jsonl", f"{part}/behind.jsonl"]
-    assert joiner._next_marks["clicks"] != part  # nothing left there: the mark moves on
+    assert joiner.discovery.next_marks["clicks"] != part  # nothing left there: the mark moves on
     # The task reads a torn file only as the driver saw it settle (size, mtime); never by its mtime's age.
-    t = joiner._task("t", 0, tmp_path / "stage", 0)
+    t = joiner.batches._task("t", 0, tmp_path / "stage", 0)
     st = os.stat(ahead)
     assert t.settled[f"clicks/{part}/ahead.jsonl"] == [st.st_size, st.st_mtime_ns]
     assert read_whole(ahead, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'
@@ -181,7 +183,7 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     with open(behind, "ab") as fh:
         fh.write(b": 2")
     os.utime(behind, (past, past))
-    assert f"{part}/behind.jsonl" not in joiner._new_files()[1]
+    assert f"{part}/behind.jsonl" not in joiner.discovery.new_files()[1]
 
 
 def test_a_directory_or_a_named_pipe_named_like_a_log_file_is_skipped_not_a_crash(tmp_path: Path) -> None:
@@ -200,9 +202,9 @@ def test_a_directory_or_a_named_pipe_named_like_a_log_file_is_skipped_not_a_cras
     (clicks / "good.jsonl").write_bytes(b'{"a": 1}\n')
     os.mkfifo(clicks / "pipe.jsonl")  # opening it to read its last byte would block for good
     joiner = _joiner(tmp_path)
-    assert joiner._new_files()[1] == [f"{part}/good.jsonl"]
-    assert joiner._next_marks["clicks"] != part
-    from photon.joiner.lease import read_whole
+    assert joiner.discovery.new_files()[1] == [f"{part}/good.jsonl"]
+    assert joiner.discovery.next_marks["clicks"] != part
+    from photon.joiner.tasks import read_whole
 
     assert read_whole(clicks / "pipe.jsonl")[0] is None and read_whole(clicks / "old.jsonl")[0] is None  # no hang
 
@@ -222,27 +224,29 @@ def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is
     growing = clicks / "growing.jsonl"
     growing.write_bytes(b'{"a"')
     joiner = _joiner(tmp_path, settle_s=5.0)
-    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part
+    assert joiner.discovery.new_files()[1] == [] and joiner.discovery.next_marks["clicks"] == part
     with open(growing, "ab") as fh:
         fh.write(b": 1")
-    assert joiner._new_files()[1] == [] and joiner._next_marks["clicks"] == part  # changed: waits again
+    # changed: waits again
+    assert joiner.discovery.new_files()[1] == [] and joiner.discovery.next_marks["clicks"] == part
     key = ("clicks", f"{part}/growing.jsonl")  # as if first seen changing the seal bound ago, and since
-    joiner._seen[key] = (*joiner._seen[key][:3], joiner._seen[key][3] - joiner.s.seal_s)
+    seen = joiner.discovery._seen
+    seen[key] = (*seen[key][:3], seen[key][3] - joiner.s.seal_s)
     with open(growing, "ab") as fh:
         fh.write(b"}")
     with caplog.at_level(logging.ERROR, logger="photon.joiner"):
-        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
-    assert joiner._next_marks["clicks"] != part
+        assert joiner.discovery.new_files()[1] == [f"{part}/growing.jsonl"]
+    assert joiner.discovery.next_marks["clicks"] != part
     assert "still changing" in caplog.text and "growing.jsonl" in caplog.text
     # The task reads it as it is then, even changed since the listing (it may never stop), once stable during the read
-    from photon.joiner.lease import read_whole
+    from photon.joiner.tasks import read_whole
 
-    t = joiner._task("t", 0, tmp_path / "stage", 0)
+    t = joiner.batches._task("t", 0, tmp_path / "stage", 0)
     with open(growing, "ab") as fh:
         fh.write(b"\n{")
     as_listed = t.settled[f"clicks/{part}/growing.jsonl"]
     assert read_whole(growing, (as_listed[0], as_listed[1]))[0] == b'{"a": 1}\n{'
     caplog.clear()  # listed again (the task left it, say): still taken at once, said again
     with caplog.at_level(logging.ERROR, logger="photon.joiner"):
-        assert joiner._new_files()[1] == [f"{part}/growing.jsonl"]
+        assert joiner.discovery.new_files()[1] == [f"{part}/growing.jsonl"]
     assert "still changing" in caplog.text

@@ -54,7 +54,8 @@ import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.durable import fsync_dir, make_dirs
-from photon.joiner.lease import RECOVERED_PREFIX, batch_tag, publish_files
+from photon.joiner.common import RECOVERED_PREFIX, batch_tag
+from photon.joiner.publish import publish_files
 from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file

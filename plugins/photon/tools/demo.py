@@ -113,7 +113,8 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     import shutil
     import threading
 
-    from photon.joiner.lease import Joiner, JoinSettings
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
     from photon.logs.schemas import MANIFEST_DIR
     from photon.pg import create_database, with_dbname
     from photon.registry.admin import record_shard_sizes

@@ -60,7 +60,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from photon.joiner.lease import RECOVERED_PREFIX, first_event_us
+from photon.joiner.common import RECOVERED_PREFIX
+from photon.joiner.discovery import first_event_us
 from photon.logs.layout import MINUTE_US, data_center_of, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE

@@ -98,7 +98,7 @@ def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now
         return None
     import pyarrow.parquet as pq
 
-    from photon.joiner.lease import batch_tag
+    from photon.joiner.common import batch_tag
 
     folder = out / pipeline / "_state" / "retries" / batch_tag(batch, epoch)
     parts = sorted(folder.glob("*.parquet")) if folder.is_dir() else []

@@ -1,0 +1,251 @@
+"""One micro-batch after another, on the driver: build the batch's tasks, run its one Spark job, commit it with the
+files it consumed and its metrics, publish it. Also the standby's warm-up batch, which runs the same job on made-up
+files before a take-over."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from photon.durable import make_dirs
+from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag
+from photon.joiner.discovery import Discovery, _marks_before
+from photon.joiner.eventstore import index_rows
+from photon.joiner.publish import publish_files
+from photon.joiner.state import Lease, PipelineState
+from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _source_task, _Task, read_markers
+from photon.logs.parse import BAD_FIELDS
+from photon.logs.schemas import QUARANTINE
+from photon.registry.clock import ServerClock
+
+log = logging.getLogger(__name__)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        *,
+        dc: str,
+        pipeline: str,
+        logs: Path,
+        root: Path,
+        servers: Mapping[str, str],
+        spark: Any,
+        settings: JoinSettings,
+        clock: ServerClock,
+        state: PipelineState,
+        discovery: Discovery,
+        parallelism: int,
+    ):
+        """Batches of pipeline ``pipeline`` over ``<logs>/<dc>`` into ``root`` (``<out>/<pipeline>``), taking the files
+        ``discovery`` lists, ``parallelism`` tasks per stage."""
+        self.dc, self.pipeline, self.logs, self.servers, self.spark = dc, pipeline, logs, dict(servers), spark
+        self.s, self.clock, self.state, self.discovery = settings, clock, state, discovery
+        self.parallelism = parallelism
+        self.root = root
+        self.state_dir = root / "_state"
+        self.staging = root / "_staging"
+        self.last_batch = 0  # last batch committed (by this lease or before it)
+        self.retry_dir: Path | None = None  # the last committed batch's retry set
+        self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
+        self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
+
+    def warm_up(self) -> None:
+        """Run a batch's own job once before the take-over, so the first batch after it costs what any batch costs (a
+        fresh session's first job pays for the JVM's shuffle and Arrow paths, the Python workers' imports, parser,
+        registry connections and the EventStore's recent buckets). The job reads a made-up query file and a made-up
+        click file: clicks older than the maximum join delay whose queries are nowhere (their ids name the recent
+        buckets, which the workers' EventStore caches load looking for them), decided unjoinable into a throwaway
+        stage folder. It reads the registry and the pipeline's store and writes nothing but its own folder, removed
+        after. A failure here costs only the warm-up."""
+        folder = self.staging / f"warm-up-{os.uname().nodename}-{os.getpid()}"
+        try:
+            self._dry_batch(folder)
+        except Exception as exc:  # an optimisation: the lease works without it
+            log.warning("%s: warm-up batch failed (the first batch will be slower): %r", self.pipeline, exc)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _dry_batch(self, folder: Path) -> None:
+        now = self.clock.now_us()
+        bucket_us = self.s.bucket_s * US
+        buckets = int(self.s.max_join_delay_s // self.s.bucket_s) + 2  # the buckets the next clicks' queries are in
+        old = now - int((self.s.max_join_delay_s + 60) * US)  # too old to wait for a query: decided at once
+        query = {"query_id": f"127.0.0.1-1-{now}", "ts_us": now, "user_id": "u", "query_text": "warm-up"}
+        query |= {"country": "DE", "ads": [{"ad_id": "a1", "advertiser_id": "adv1", "bid_micros": 1}]}
+        clicks = [
+            {"click_id": f"127.0.0.1-2-{old + i}", "ts_us": old + i, "ad_id": "a1"}
+            | {"query_id": f"127.0.0.1-3-{now - 1 - (i % buckets) * bucket_us}"}
+            for i in range(max(buckets, 4 * self.parallelism))
+        ]
+        sources = []
+        for kind, lines in (("queries", [query]), ("clicks", clicks)):
+            path = folder / kind / f"warm-up-{kind}.jsonl"
+            make_dirs(path.parent)
+            path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            sources.append((kind, str(path), path.name))
+        rows = self._job(self._task("warm-up", now, folder / "stage", token=0), sources)  # no click registered
+        decided = sum(int(r["unjoinable"]) for r in rows)
+        if decided != len(clicks) or any(int(r["joined"]) or int(r["retried"]) for r in rows):
+            raise AssertionError(f"warm-up batch: {len(clicks)} made-up clicks, got {[r.asDict() for r in rows]}")
+
+    def retry_counts(self) -> tuple[int, int]:
+        """(waiting, due) retries. Asked on every trigger, so it reads the small retry set with Arrow rather than
+        starting a Spark job while the joiner is idle."""
+        import pyarrow.parquet as pq
+
+        if self.retry_dir is None or not any(self.retry_dir.glob("*.parquet")):
+            return 0, 0
+        due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
+        return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
+
+    def _task(self, tag: str, now: int, stage: Path, token: int) -> _Task:
+        return _Task(
+            dc=self.pipeline,
+            tag=tag,
+            now=now,
+            stage=str(stage),
+            state=str(self.state_dir),  # the workers' EventStore caches are keyed by it
+            logs=str(self.logs / self.dc / "queries"),
+            servers=tuple(sorted(self.servers.items())),
+            token=token,
+            bucket_s=self.s.bucket_s,
+            cache_buckets=self.s.cache_buckets,
+            cache_max_rows=self.s.cache_max_rows,
+            max_join_delay_us=int(self.s.max_join_delay_s * US),
+            retry_base_s=self.s.retry_base_s,
+            retry_max_s=self.s.retry_max_s,
+            adapter=self.s.adapter,
+            max_future_s=self.s.max_future_s,
+            max_clock_skew_us=int(self.s.max_clock_skew_s * US),
+            clock_offset_us=self.clock.offset.offset_us,
+            settle_s=self.s.settle_s,
+            horizon_us=self.horizon_us,
+            shared_index=str(self.shared_index) if self.shared_index is not None else None,
+            settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self.discovery.settled_as.items()},
+        )
+
+    def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:
+        """A batch's one Spark job: parse every source (queries stored first: the shuffle is a barrier), then
+        steps 2-6 per partition of click ids; one row of counts per task."""
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        groups = balanced_groups([_size(p) for _, p, _ in sources], self.parallelism)
+        return (
+            self._tasks(len(groups))
+            .mapInArrow(_source_task(t, sources, groups), from_arrow_schema(CANDIDATE))
+            .repartition(self.parallelism, "click_id")
+            .mapInArrow(_join_task(t), from_arrow_schema(JOIN_TASK))
+            .collect()
+        )
+
+    def _tasks(self, n: int) -> Any:
+        """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
+        return self.spark.range(0, n, 1, max(1, min(n, self.parallelism)))
+
+    def run_batch(self, lease: Lease, k: int, q_files: list[str], c_files: list[str]) -> BatchResult:
+        """One micro-batch, one Spark job of two stages: parse (and store the new queries), shuffle by click id,
+        steps 2-6 in each partition, under ``lease``. Only counts and latencies come back to the driver."""
+        t_start = time.time()
+        now = self.clock.now_us()
+        tag = batch_tag(k, lease.epoch)
+        t = self._task(tag, now, self.staging / tag, lease.token(k).value)
+        metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
+
+        sources = [("queries", str(self.logs / self.dc / "queries" / n), n) for n in q_files]
+        sources += [("clicks", str(self.logs / self.dc / "clicks" / n), n) for n in c_files]
+        if self.retry_dir is not None:
+            sources += [("retries", str(p), p.name) for p in sorted(self.retry_dir.glob("*.parquet"))]
+        counts = dict.fromkeys(JOIN_COUNTS, 0)
+        latencies: list[float] = []
+        if sources:
+            for r in self._job(t, sources):
+                for name in JOIN_COUNTS:
+                    counts[name] += int(r[name])
+                latencies.extend(r["latencies_s"] or [])
+        t_job = time.time()
+        skipped, read = read_markers(Path(t.stage))
+        changed = self._quarantine_changed(Path(t.stage), tag, now)
+        _maybe_crash("after_register", k, k - lease.last_batch)
+        metrics.update(counts)
+        metrics["queries"] = index_rows(Path(t.stage) / "eventstore")
+        metrics["quarantined"] = _parquet_rows(Path(t.stage) / QUARANTINE)
+        q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
+        metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
+        metrics["duration_s"] = time.time() - t_start
+
+        # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
+        files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
+        files = [f for f in files if f not in skipped]  # still being written: listed and read again later
+        _maybe_crash("before_commit", k, k - lease.last_batch)
+        # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
+        # (The executors' registries follow a new layout when a shard's server refuses their old one.)
+        marks = _marks_before(dict(self.discovery.next_marks), skipped)
+        if skipped:
+            log.info("%s batch %d: %d file(s) still being written, left for later", self.pipeline, k, len(skipped))
+        self.state.commit(lease, k, files, metrics, marks=marks)
+        _maybe_crash("after_commit", k, k - lease.last_batch)
+        self.publish(k, lease.epoch)
+        self.discovery.committed(files, read, changed, marks)  # consumed; behind the marks: forgotten
+        self.retry_dir = self.state_dir / "retries" / t.tag
+        self.last_batch = k
+        took = (t_job - t_start, time.time() - t_job)
+        log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
+        return BatchResult(k, metrics)
+
+    def _quarantine_changed(self, stage: Path, tag: str, now: int) -> int:
+        """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
+        from photon.joiner.eventstore import atomic_write
+
+        changed = self.discovery.changed
+        n = len(changed)
+        for kind in ("queries", "clicks"):
+            rows = [{k: v for k, v in r.items() if k != "kind"} for r in changed[:n] if r["kind"] == kind]
+            if rows:
+                bad = pa.Table.from_pylist(rows, schema=BAD_FIELDS)
+                atomic_write(
+                    _quarantine(bad, self.pipeline, kind, now), stage / QUARANTINE / f"{tag}-changed-{kind}.parquet"
+                )
+        return n
+
+    def publish(self, k: int, epoch: int) -> None:
+        """Batch ``k`` of lease ``epoch``, committed: its files into place, then marked published."""
+        publish_files(self.root, batch_tag(k, epoch))
+        self.state.mark_published(k)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0  # its task finds it gone (a retry set behind a lease start) the same way
+
+
+def balanced_groups(sizes: list[int], n: int) -> list[list[int]]:
+    """Sources into at most ``n`` groups of about equal bytes, one task each (a task's time is mostly parsing, which
+    goes with the bytes): the largest first, each into the lightest group (LPT). Each group keeps its sources in
+    their order, so a task takes its query files first. Splitting by count left one core idle for a third of stage
+    1 when query files outweighed click files."""
+    groups: list[list[int]] = [[] for _ in range(max(1, min(n, len(sizes))))]
+    load = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = load.index(min(load))
+        groups[g].append(i)
+        load[g] += sizes[i] + 1
+    return [sorted(g) for g in groups if g]
+
+
+def _parquet_rows(folder: Path) -> int:
+    """Rows written under a folder, from the Parquet footers: no Spark job needed to count what was written."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in folder.rglob("*.parquet")) if folder.is_dir() else 0

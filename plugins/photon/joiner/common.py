@@ -1,0 +1,103 @@
+"""What the joiner's parts share: its settings, its constants (the reasons it writes, the counts a batch reports),
+the result of a batch, the name of a batch's files and the tests' crash points. Imports no other part."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, time_bound_s
+
+US = 1_000_000
+
+SETTLE_S = 5.0  # see JoinSettings.settle_s
+READ_MARKERS = "_read"  # under a batch's stage: per stage-1 task, the files it left for later and the sizes it read
+HOLD_POLL_S = 0.25  # while a lease holds on for a starting standby, how often it asks whether it is ready
+SUCCESSOR_WAIT_S = 1.5  # ...and how long it waits for an answer (the registry answers in milliseconds)
+
+REASON_TOO_LATE = "query not found within the maximum join delay"
+REASON_GC = "older than the registry's garbage-collection threshold"
+REASON_LOG_GONE = (
+    "its query was stored, but its line in the query logs no longer reads back (log file removed or changed): keep "
+    "query logs as long as the registry's retention"
+)
+RECOVER_RETRIES = (
+    "It was synced before its batch committed, so it was damaged since. Restore it from a backup of the output "
+    "folder, or move it aside (mv FILE FILE.corrupt): the pipeline then goes on, and the clicks that were waiting in "
+    "it get no outcome from this pipeline (the other data center's can still join them; `photon audit` lists any "
+    "click left without an outcome)."
+)
+REASON_BEFORE = "stamped before 2010-01-01: not a plausible time"
+JOIN_COUNTS = (
+    "clicks",
+    "retries_in",
+    "prefiltered",
+    "cache_lookups",
+    "cache_hits",
+    "joined",
+    "won_again",
+    "wasted",
+    "unjoinable",
+    "retried",
+    "registry_txns",
+    "registry_rows",
+    "registry_retries",
+)
+RECOVERED_PREFIX = "recovered-"  # the verifier's re-dispatched clicks: taken first, their deadline from then
+AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
+
+
+@dataclass(frozen=True)
+class JoinSettings:
+    max_join_delay_s: float = 120.0
+    trigger_interval_s: float = 1.0
+    retry_base_s: float = 1.0  # first retry after this long, doubling up to retry_max_s
+    retry_max_s: float = 16.0
+    bucket_s: int = 10  # EventStore time bucket: a lookup hashes the ids of the buckets its clicks need
+    cache_buckets: int = 180  # buckets of queries kept in each Python worker (the CacheEventStore): 30 minutes...
+    cache_max_rows: int = 20_000_000  # ...or fewer indexed queries (about 60 bytes each), about a gigabyte
+    max_click_files: int = 2_000  # per batch; every new query file is always taken (the EventStore comes first)
+    adapter: str = "photon.joiner.adapter:default_adapter"
+    parallelism: int | None = None  # tasks per stage; None: the session's default parallelism (its cores)
+    # A backfill's window: only click files whose first event is stamped in [window_start_us, window_end_us), and
+    # query files from max_join_delay_s + window_margin_s before it to window_margin_s after it, so the window's
+    # clicks find their queries. The margin must exceed the time one log file spans. None: every file.
+    window_start_us: int | None = None
+    window_end_us: int | None = None
+    window_margin_s: float = 120.0
+    # A live joiner heartbeats this often, idle or not; the verifier's grace period must be several times longer.
+    heartbeat_s: float = 5.0
+    # An event stamped further ahead of the registry server's clock is decided at the door (a click: unjoinable/, a
+    # query: quarantine/), and the registry refuses such ids with the same bound: twice the skew plus a margin.
+    max_future_s: float = MAX_FUTURE_S
+    # Every clock is off from true time by at most this much (EVENTS.md): a lease whose host is further from the
+    # registry server's refuses to run; the seal follows it (settings.time_bound_s).
+    max_clock_skew_s: float = MAX_CLOCK_SKEW_S
+
+    @property
+    def seal_s(self) -> float:
+        return time_bound_s(self.max_clock_skew_s)
+
+    # A closed file that is empty or whose last byte is not a newline is taken only once it has not changed for this
+    # long (a copy still being written, EVENTS.md "Closed files"); a whole file is taken at once.
+    settle_s: float = SETTLE_S
+
+
+@dataclass
+class BatchResult:
+    batch_seq: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _maybe_crash(point: str, batch_seq: int, lease_batch: int) -> None:
+    """Fault injection for tests: PHOTON_CRASH_AT=<point>@<batch> kills this process with SIGKILL right there;
+    ``<point>@+<n>`` at the lease's n-th batch."""
+    if os.environ.get("PHOTON_CRASH_AT") in (f"{point}@{batch_seq}", f"{point}@+{lease_batch}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def batch_tag(batch: int, epoch: int) -> str:
+    """The name a batch's staged files start with: its number and the epoch of the lease that ran it."""
+    return f"b{batch:010d}-e{epoch}"

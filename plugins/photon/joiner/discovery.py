@@ -1,0 +1,241 @@
+"""Which log files a batch takes: listing the new closed files from the pipeline's marks on, waiting for a copy still
+being written to settle, noticing a consumed file that changed, moving the listing marks past sealed partitions, and
+a backfill's window. Driver side; one ``Discovery`` per joiner, kept across its leases."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from photon.joiner.common import AS_IT_IS, RECOVERED_PREFIX, US, JoinSettings
+from photon.joiner.eventstore import open_regular
+from photon.joiner.tasks import ends_whole
+from photon.logs.layout import list_closed, part_of_name, partition_of, sealed_before
+from photon.logs.schemas import RAW_CAP_BYTES
+from photon.registry.clock import ServerClock
+
+log = logging.getLogger(__name__)
+
+
+class Discovery:
+    def __init__(self, logs: Path, dc: str, pipeline: str, settings: JoinSettings, clock: ServerClock):
+        """Lists ``<logs>/<dc>``, for pipeline ``pipeline`` (its name in logs), by the registry server's ``clock``."""
+        self.logs, self.dc, self.pipeline, self.s, self.clock = logs, dc, pipeline, settings, clock
+        self.consumed: set[tuple[str, str]] = set()
+        # Per kind, the oldest log partition still to list (layout.py); None: every partition.
+        self.marks: dict[str, str | None] = {"queries": None, "clicks": None}
+        self.next_marks: dict[str, str | None] = dict(self.marks)  # the marks the next batch commits
+        self._first_ts: dict[Path, int] = {}
+        # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
+        # reported once (``changed``, quarantined by the next batch), never silently left half read.
+        self._read_sizes: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.changed: list[dict[str, Any]] = []
+        # Files seen torn or empty: (size, mtime_ns, monotonic time seen so since, first seen changing), and those
+        # seen settle (``_settled``)
+        self._seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+        self.settled_as: dict[tuple[str, str], tuple[int, int]] = {}
+        self._not_files: set[tuple[str, str]] = set()
+        self._whole: dict[tuple[str, str], tuple[int, int, int]] = {}  # listed, not consumed, seen whole: as stat-ed
+
+    def restart(self, marks: dict[str, str | None], consumed: set[tuple[str, str]]) -> None:
+        """At a lease's start: the marks and consumed files as committed (or where a new pipeline starts)."""
+        self.marks = marks
+        self.next_marks = dict(self.marks)
+        self.consumed = consumed
+
+    def first_marks(self) -> dict[str, str | None]:
+        """Where a new pipeline starts listing: everything, or for a backfill window the partitions its files can
+        have arrived in (a file arrives after its first event, give or take the clock skew)."""
+        s = self.s
+        if s.window_start_us is None:
+            return {"queries": None, "clicks": None}
+        seal = int(self.s.seal_s * US)
+        first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
+        return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
+
+    def new_files(self) -> tuple[list[str], list[str]]:
+        """New closed files, oldest arrival first, and the verifier's re-dispatched clicks before any other: under a
+        backlog bigger than ``max_click_files`` no file waits behind later ones, whatever its name. Only partitions
+        from the pipeline's mark on are listed; the marks the batch will commit move past partitions that are
+        sealed and left with nothing to consume."""
+        sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
+
+        seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+        whole: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self.settled_as = {}
+
+        def listing(kind: str, cap: int | None) -> list[str]:
+            folder = self.logs / self.dc / kind
+            new, settling = [], []
+            for f in list_closed(folder, self.marks[kind]):
+                if (kind, f.rel) in self.consumed:
+                    self._check_consumed(kind, folder, f.rel)
+                    continue
+                try:
+                    path = os.path.join(folder, f.rel)  # a str: a Path per file is most of a backlog's listing time
+                    st = os.stat(path)
+                    if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
+                        if (kind, f.rel) not in self._not_files:
+                            self._not_files.add((kind, f.rel))
+                            log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
+                        continue
+                    if not self._settled(kind, f.rel, path, st, seen, whole):
+                        settling.append(f.rel)  # a copy still being written: no batch for it yet
+                        continue
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # unreadable now (permissions, a stale NFS handle): held, and said
+                    log.error("%s: %s/%s cannot be read yet: %s", self.pipeline, kind, f.rel, exc)
+                    settling.append(f.rel)
+                    continue
+                new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
+            chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
+            chosen = chosen[:cap] if cap is not None else chosen
+            taken = set(chosen)
+            left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
+            left += [p for n in settling if (p := part_of_name(n)) is not None]
+            mark = min([*left, sealed])
+            # Never back: the lease before found everything behind its mark sealed and consumed, and this lease
+            # loaded no consumed-file record from there (a host whose clock is behind would list it again).
+            self.next_marks[kind] = mark if self.marks[kind] is None else max(mark, self.marks[kind] or "")
+            return chosen
+
+        found = listing("queries", None), listing("clicks", self.s.max_click_files)
+        self._seen, self._whole = seen, whole  # only files listed now: bounded by them, not every file ever listed
+        return found
+
+    def _settled(
+        self, kind: str, rel: str, path: str, st: os.stat_result, seen: dict[Any, Any], whole: dict[Any, Any]
+    ) -> bool:
+        """Whether a listed file may be read now: it ends with a newline (whole: at once), or this lease has seen it
+        with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
+        copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
+        the maximum skew off this host's, either way, or set by ``touch -d``. A settled torn file is read only as
+        seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60 s) since first seen so is
+        taken as it is then, with a logged error: waiting longer would hold the listing mark back for good (every
+        batch listing every partition since); what it gains after is reported as a consumed file's change."""
+        sig = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._whole.get((kind, rel)) == sig or ends_whole(path, st):
+            whole[(kind, rel)] = sig  # not opened again while it stays so (a backlog is listed at every batch)
+            return True
+        now = time.monotonic()
+        size, mtime, since, first = self._seen.get((kind, rel), (-1, -1, now, now))
+        if (size, mtime) != (st.st_size, st.st_mtime_ns):
+            since = now
+        overdue = now - first >= self.s.seal_s
+        if now - since >= self.s.settle_s or overdue:
+            if overdue and now - since < self.s.settle_s:
+                log.error(
+                    "%s: %s/%s still changing %.0f s after it was first listed (%d bytes now): taken as it is; a "
+                    "closed file must be renamed into place whole (EVENTS.md)",
+                    self.pipeline, kind, rel, now - first, st.st_size,
+                )  # fmt: skip
+            self.settled_as[(kind, rel)] = AS_IT_IS if overdue else (st.st_size, st.st_mtime_ns)
+        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since, first)  # kept while listed (taken, not consumed yet)
+        return (kind, rel) in self.settled_as
+
+    def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
+        """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
+        at a line's end, a replica re-shipped), say so once: a logged error now, and a quarantine record naming the
+        file and the bytes never read, written by the next batch."""
+        seen = self._read_sizes.get((kind, rel))
+        if seen is None:
+            return
+        try:
+            st = os.stat(folder / rel)
+        except FileNotFoundError:
+            return
+        if (st.st_size, st.st_mtime_ns, st.st_ino) == seen:
+            return
+        del self._read_sizes[(kind, rel)]  # reported once
+        size = seen[0]
+        raw = b""
+        if st.st_ino != seen[2]:  # another file renamed into its place: none of it read
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
+                raw = fh.read(RAW_CAP_BYTES)
+            size = 0
+            what = f"replaced by another file after it was consumed (its {st.st_size} bytes never read)"
+        elif st.st_size > size:
+            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
+                fh.seek(size)
+                raw = fh.read(RAW_CAP_BYTES)
+            what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
+        else:
+            what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
+        reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
+        log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)
+        self.changed.append(
+            {"kind": kind, "file": rel, "line": 0, "raw": raw, "raw_bytes": max(0, st.st_size - size), "reason": reason}
+        )
+
+    def _behind_marks(self, path: Path) -> bool:
+        """A log file in a partition behind its kind's mark: it is never listed again."""
+        rel = path.relative_to(self.logs / self.dc)  # <kind>/<day>/<minute>/<name>, or <kind>/<name>
+        if len(rel.parts) != 4:
+            return False
+        mark = self.marks.get(rel.parts[0])
+        return mark is not None and f"{rel.parts[1]}/{rel.parts[2]}" < mark
+
+    def _in_window(self, kind: str, path: Path) -> bool:
+        s = self.s
+        if s.window_start_us is None or s.window_end_us is None:
+            return True
+        start, end = s.window_start_us, s.window_end_us
+        if kind == "queries":
+            start -= int((s.max_join_delay_s + s.window_margin_s) * US)
+            end += int(s.window_margin_s * US)
+        if path not in self._first_ts:
+            self._first_ts[path] = first_event_us(path)
+        return start <= self._first_ts[path] < end
+
+    def committed(
+        self,
+        files: list[tuple[str, str]],
+        read: dict[tuple[str, str], tuple[int, ...]],
+        reported: int,
+        marks: dict[str, str | None],
+    ) -> None:
+        """After a batch committed (and published) ``files`` as read (``read``), the first ``reported`` changed files
+        and ``marks``: they are consumed, and what is behind the marks is forgotten (it is never listed again)."""
+        self.consumed.update(files)
+        self._read_sizes.update({f: read[f] for f in files if f in read})
+        del self.changed[:reported]
+        if marks != self.marks:
+            self.marks = marks
+            self.consumed = {
+                (kind, n)
+                for kind, n in self.consumed
+                if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
+            }
+            self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
+            self._read_sizes = {f: v for f, v in self._read_sizes.items() if f in self.consumed}
+
+
+def _marks_before(marks: dict[str, str | None], skipped: set[tuple[str, str]]) -> dict[str, str | None]:
+    """Listing marks that stay at or before every partition holding a file left for later, so it is listed again."""
+    for kind, name in skipped:
+        part, mark = part_of_name(name), marks.get(kind)
+        if part is not None and mark is not None and part < mark:
+            marks[kind] = part
+    return marks
+
+
+def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:
+    """The timestamp of a log file's first well-formed line within its first ``peek_bytes`` (a closed file never
+    changes, so this is asked once per file); the file's modification time where none parses there."""
+    with open(path, "rb") as fh:
+        head = fh.read(peek_bytes)
+    for line in head.split(b"\n")[:-1] if len(head) == peek_bytes else head.split(b"\n"):
+        try:
+            ts = json.loads(line).get("ts_us")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(ts, int) and not isinstance(ts, bool):
+            return ts
+    return int(path.stat().st_mtime * US)

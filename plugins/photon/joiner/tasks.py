@@ -1,0 +1,553 @@
+"""The executor side of a batch: what runs in Spark's Python workers. Stage 1 (``_source_task``) reads and parses
+the batch's log files, stores its new queries and reads its retries back; stage 2 (``_join_task``,
+``join_partition``) runs steps 2-6 for one partition of click ids (the step numbers are the joiner's, see
+``photon.joiner``). A task gets plain values (``_Task``) and sends back counts, read markers and staged files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from photon.durable import make_dirs
+from photon.joiner.adapter import ADAPTED_SCHEMA, load_adapter
+from photon.joiner.common import (
+    AS_IT_IS,
+    JOIN_COUNTS,
+    READ_MARKERS,
+    REASON_BEFORE,
+    REASON_GC,
+    REASON_LOG_GONE,
+    REASON_TOO_LATE,
+    RECOVERED_PREFIX,
+    SETTLE_S,
+    US,
+)
+from photon.joiner.eventstore import open_regular
+from photon.joiner.query_index import REASON_QUERY_GC
+from photon.logs.ids import valid_ids
+from photon.logs.parse import (
+    BAD_FIELDS,
+    CLICK_FIELDS,
+    QUERY_FIELDS,
+    Malformed,
+    parse_click,
+    parse_file_located,
+    parse_query,
+)
+from photon.logs.schemas import (
+    JOINED,
+    JOINED_SCHEMA,
+    QUARANTINE,
+    QUARANTINE_SCHEMA,
+    RAW_CAP_BYTES,
+    UNJOINABLE,
+    UNJOINABLE_SCHEMA,
+)
+from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
+
+log = logging.getLogger(__name__)
+
+_REGISTRIES: dict[tuple[tuple[str, str], ...], Any] = {}
+
+CANDIDATE = pa.schema(
+    [
+        ("click_id", pa.string()),
+        ("click_ts_us", pa.int64()),
+        ("query_id", pa.string()),
+        ("ad_id", pa.string()),
+        ("attempts", pa.int32()),
+        ("first_seen_us", pa.int64()),
+        ("due_us", pa.int64()),
+        # When a click re-dispatched by the verifier (a ``recovered-*`` file) was first seen here; null otherwise.
+        # Its join deadline runs from then: it may be long past its own, and this replica's query may still lag.
+        ("recovered_us", pa.int64()),
+    ]
+)
+JOIN_TASK = pa.schema(
+    [
+        *[(name, pa.int64()) for name in JOIN_COUNTS],
+        ("latencies_s", pa.list_(pa.float64())),
+    ]
+)
+
+
+class AdapterContractError(RuntimeError):
+    """The adapter returned something other than one row per click, in order, with the adapted schema."""
+
+
+def run_adapter(path: str, batch: pa.RecordBatch) -> pa.Table:
+    """The adapter's output for ``batch``, checked against its contract (adapter.py)."""
+    out = load_adapter(path)(batch)
+    if isinstance(out, pa.RecordBatch):
+        out = pa.Table.from_batches([out])
+    if not isinstance(out, pa.Table):
+        raise AdapterContractError(f"returned {type(out).__name__}, not a pyarrow RecordBatch")
+    if out.num_rows != batch.num_rows:
+        raise AdapterContractError(f"returned {out.num_rows} rows for {batch.num_rows} clicks")
+    missing = [n for n in ADAPTED_SCHEMA.names if n not in out.schema.names]
+    if missing:
+        raise AdapterContractError(f"returned no column {', '.join(missing)}")
+    try:
+        out = out.select(ADAPTED_SCHEMA.names).cast(ADAPTED_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise AdapterContractError(f"returned columns of the wrong type: {exc}") from None
+    if not out.column("click_id").combine_chunks().equals(batch.column("click_id")):
+        raise AdapterContractError("changed or reordered the clicks (click_id differs row by row)")
+    return out
+
+
+def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
+    """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
+    from photon.registry.client import IdRegistry, RegistryOptions
+
+    key = (*sorted(servers.items()), ("max_future_s", str(max_future_s)))
+    if key not in _REGISTRIES:
+        _REGISTRIES[key] = IdRegistry(dict(servers), RegistryOptions(max_future_s=max_future_s))
+    return _REGISTRIES[key]
+
+
+def _future_reason(max_future_s: float) -> str:
+    # "the joiner's clock" is the registry server's, as the joiner reads it (kept word for word: readers match it)
+    return (
+        f"stamped more than {max_future_s:g} s ahead of the joiner's clock (the registry server's; twice the maximum "
+        "clock skew plus margin)"
+    )
+
+
+def _implausible(ts_us: np.ndarray, now_us: int, max_future_us: int) -> np.ndarray:
+    return (ts_us > now_us + max_future_us) | (ts_us < PLAUSIBLE_FROM_US)
+
+
+def _quarantine_implausible(name: str, content: bytes, kind: str, now_us: int, max_future_s: float) -> pa.Table:
+    """Bad-line records for the events of a file stamped at an implausible time. Rare: the file is read again by the
+    reference parser, which numbers its lines (the fast path agrees with it on every event)."""
+    parser = parse_query if kind == "queries" else parse_click
+    limit = now_us + int(max_future_s * US)
+    bad: dict[str, list[Any]] = {f.name: [] for f in BAD_FIELDS}
+    for i, line in enumerate(content.split(b"\n")):
+        try:
+            ts = parser(line)["ts_us"]
+        except Malformed:
+            continue
+        if ts > limit or ts < PLAUSIBLE_FROM_US:
+            for col, v in zip(
+                BAD_FIELDS.names,
+                (
+                    name,
+                    i + 1,
+                    line[:RAW_CAP_BYTES],
+                    len(line),
+                    _future_reason(max_future_s) if ts > limit else REASON_BEFORE,
+                ),
+                strict=True,
+            ):
+                bad[col].append(v)
+    return pa.table(bad, schema=BAD_FIELDS)
+
+
+def _unparsable_file(name: str, content: bytes, exc: BaseException) -> pa.Table:
+    """The last resort: a file whose parsing still raised is quarantined whole (line 0), so the batch goes on."""
+    reason = f"file could not be parsed ({type(exc).__name__}: {str(exc)[:200]}); quarantined whole"
+    return pa.table(
+        {
+            "file": [name],
+            "line": [0],
+            "raw": [content[:RAW_CAP_BYTES]],
+            "raw_bytes": [len(content)],
+            "reason": [reason],
+        },
+        schema=BAD_FIELDS,
+    )
+
+
+def _quarantine(bad: pa.Table, dc: str, kind: str, now: int) -> pa.Table:
+    n = bad.num_rows
+    cols = {
+        "pipeline": pa.array([dc] * n, pa.string()),
+        "kind": pa.array([kind] * n, pa.string()),
+        **{name: bad.column(name) for name in ("file", "line", "raw", "raw_bytes", "reason")},
+        "decided_at_us": pa.array(np.full(n, now, np.int64)),
+    }
+    return pa.table(cols, schema=QUARANTINE_SCHEMA)
+
+
+def _indices(batches: Iterator[pa.RecordBatch]) -> Iterator[int]:
+    for batch in batches:
+        yield from batch.column("id").to_pylist()
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What every task of a batch needs: plain values, shipped to the executors with the function."""
+
+    dc: str  # the pipeline's name, as written in the output
+    tag: str
+    # The batch's "now": the registry server's clock at its start, read by the driver. Every decision a later lease
+    # or another host relies on (door, first seen, due times, deadlines) takes it, never the executor's own clock.
+    now: int
+    stage: str
+    state: str
+    logs: str  # <logs>/<dc>/queries, where the EventStore's index finds the query lines
+    servers: tuple[tuple[str, str], ...]
+    token: int
+    bucket_s: int
+    cache_buckets: int
+    cache_max_rows: int
+    max_join_delay_us: int
+    retry_base_s: float
+    retry_max_s: float
+    adapter: str
+    max_future_s: float
+    max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
+    clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
+    settle_s: float = SETTLE_S
+    # The registry's horizon when the lease started (query_index.py): a click whose query is older is unjoinable.
+    horizon_us: int | None = None
+    # A backfill's second place to look: the data center's shared query index (<out>/_query_index/<dc>).
+    shared_index: str | None = None
+    # "<kind>/<file>" -> [size, mtime_ns]: torn or empty files the driver saw unchanged for ``settle_s``, to be read
+    # only exactly so (``read_whole``)
+    settled: dict[str, list[int]] = field(default_factory=dict)
+
+
+def ends_whole(path: str | Path, st: os.stat_result) -> bool:
+    """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
+    if st.st_size == 0:
+        return False
+    with open(path, "rb") as fh:
+        return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
+
+
+def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int, int]:
+    """(content, size, mtime_ns, inode) of a closed log file, content None while the file is still changing: its size or
+    modification time moved while it was read, or it is empty or ends without a newline and is not exactly as the
+    driver saw it settle (``settled_as``: (size, mtime_ns), ``Discovery._settled``: a copy still being written; a
+    writer's torn tail is taken once it has settled), or it is gone (moved away since it was listed: listed again
+    wherever it lands). The reader's side of EVENTS.md's rule "a closed file is whole and never changes". Never by
+    the age of its modification time: that is the file server's clock, up to the maximum skew off this host's."""
+    try:
+        before = os.stat(path)
+        with open_regular(path) as fh:  # a named pipe in its place: an error, never a task blocked for good
+            content = fh.read()
+        after = os.stat(path)
+    except FileNotFoundError:
+        return None, 0, 0, 0
+    except OSError as exc:  # not a regular file (any more), unreadable: left, and listed again
+        log.error("%s: cannot be read: %s", path, exc)
+        return None, 0, 0, 0
+    size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
+    if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
+        return None, size, mtime, ino
+    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) not in ((size, mtime), AS_IT_IS)):
+        return None, size, mtime, ino
+    return content, size, mtime, ino
+
+
+def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime, inode)
+    as read."""
+    path = stage / READ_MARKERS / f"{name}.json"
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"skipped": skipped, "read": read}))
+    os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
+
+
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime,
+    inode)})."""
+    skipped: set[tuple[str, str]] = set()
+    read: dict[tuple[str, str], tuple[int, ...]] = {}
+    folder = stage / READ_MARKERS
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        marker = json.loads(path.read_text())
+        skipped.update((k, n) for k, n in marker["skipped"])
+        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
+    return skipped, read
+
+
+def _source_task(
+    t: _Task, sources: list[tuple[str, str, str]], groups: list[list[int]] | None = None
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The first stage of a batch, one task per group of sources (each row names a group; without ``groups``, a
+    source): query files are parsed and indexed by bucket in the batch's staged EventStore; click files are parsed
+    into candidates; retry files are read back as candidates. Malformed lines are quarantined. The shuffle after
+    this stage is the barrier that puts every new query in the store before any click of the batch looks for it."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        from photon.joiner.eventstore import atomic_write, index_of, write_index
+
+        stage = Path(t.stage)
+        stored: list[pa.Table] = []
+        first = None
+        skipped: list[list[str]] = []
+        read: dict[str, list[int]] = {}
+        marker_name = ""
+        for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
+            kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
+            path = Path(path_s)
+            if kind == "retries":
+                yield from pq.read_table(path, schema=CANDIDATE).to_batches()
+                continue
+            marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
+            as_seen = t.settled.get(f"{kind}/{rel}")
+            whole, size, mtime, ino = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
+            if whole is None:  # still being written: not consumed now, listed and read again by a later batch
+                log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
+                skipped.append([kind, rel])
+                continue
+            read[f"{kind}/{rel}"] = [size, mtime, ino]  # the inode: a file replaced by a rename is another
+            content = whole
+            try:
+                good, bad, offsets, lengths = parse_file_located(rel, content, kind)
+            except Exception as exc:  # a parser bug must cost one file, never the pipeline
+                log.error("%s: quarantined whole: %r", path, exc)
+                good = (QUERY_FIELDS if kind == "queries" else CLICK_FIELDS).empty_table()
+                bad = _unparsable_file(rel, content, exc)
+                offsets = lengths = np.zeros(0, np.int64)
+            # Event time sanity at the door: an implausible stamp is decided in the batch it arrives in.
+            now = t.now
+            if kind == "queries" and _implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US)).any():
+                plausible = ~_implausible(good.column("ts_us").to_numpy(), now, int(t.max_future_s * US))
+                good, offsets, lengths = good.filter(pa.array(plausible)), offsets[plausible], lengths[plausible]
+                bad = pa.concat_tables([bad, _quarantine_implausible(rel, content, kind, now, t.max_future_s)])
+            if bad.num_rows:
+                name = f"{t.tag}-{kind[0]}{i:06d}.parquet"
+                atomic_write(_quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / name)
+            n = good.num_rows
+            if kind == "queries":
+                stored.append(index_of(good, rel, offsets, lengths))
+                first = i if first is None else first
+            elif n:
+                yield from pa.Table.from_pydict(
+                    {
+                        "click_id": good.column("click_id"),
+                        "click_ts_us": good.column("ts_us"),
+                        "query_id": good.column("query_id"),
+                        "ad_id": good.column("ad_id"),
+                        "attempts": pa.array(np.zeros(n, np.int32)),
+                        "first_seen_us": pa.array(np.full(n, t.now, np.int64)),
+                        "due_us": pa.array(np.full(n, t.now, np.int64)),
+                        "recovered_us": pa.array(
+                            np.full(n, t.now, np.int64) if path.name.startswith(RECOVERED_PREFIX) else [None] * n,
+                            pa.int64(),
+                        ),
+                    },
+                    CANDIDATE,
+                ).to_batches()
+        if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
+            write_index(pa.concat_tables(stored), stage / "eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+        if read or skipped:
+            _write_read_marker(stage, marker_name, skipped, read)
+
+    return run
+
+
+def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Steps 2-6 for one partition of candidates (all copies of a click id land in the same partition)."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        part = ctx.partitionId() if ctx is not None else 0
+        rows = pa.Table.from_batches(list(batches), CANDIDATE)
+        counts, latencies = join_partition(t, rows, part)
+        yield pa.RecordBatch.from_pydict(
+            {**{k: [v] for k, v in counts.items()}, "latencies_s": [latencies.tolist()]}, JOIN_TASK
+        )
+
+    return run
+
+
+def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int], np.ndarray]:
+    """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition.
+    Returns the partition's counts and the joined clicks' latencies."""
+    from photon.joiner.eventstore import atomic_write, cache_for
+    from photon.registry.client import Outcome
+    from photon.registry.owners import Token
+
+    counts = dict.fromkeys(JOIN_COUNTS, 0)
+    stage, state = Path(t.stage), Path(t.state)
+    name = f"{t.tag}-p{part:04d}.parquet"
+    # One row per click id: a due copy first, then the earliest seen; a copy the verifier re-dispatched lends the
+    # kept row its recovery time (the click's deadline runs from there, whichever copy is kept).
+    rows = rows.append_column("_due", pc.less_equal(rows.column("due_us"), t.now))
+    rows = rows.append_column("_i", pa.array(np.arange(rows.num_rows, dtype=np.int64)))
+    order = rows.sort_by([("click_id", "ascending"), ("_due", "descending"), ("first_seen_us", "ascending")])
+    kept = order.group_by("click_id", use_threads=False).aggregate([("_i", "first"), ("recovered_us", "max")])
+    rows = rows.take(kept.column("_i_first"))
+    rows = rows.set_column(rows.schema.get_field_index("recovered_us"), "recovered_us", kept.column("recovered_us_max"))
+    due_mask = rows.column("_due").to_numpy(zero_copy_only=False)
+    waiting = rows.filter(pa.array(~due_mask)).select(CANDIDATE.names)
+    due = rows.filter(pa.array(due_mask)).select(CANDIDATE.names)
+    counts["clicks"] = due.num_rows
+    counts["retries_in"] = int(np.count_nonzero(due.column("attempts").to_numpy() > 0))
+    unjoinable: list[pa.Table] = []
+    retry = [waiting]
+    latencies = np.zeros(0)
+
+    def give_up(rows: pa.Table, reason: pa.Array | str) -> None:
+        n = rows.num_rows
+        if n:
+            unjoinable.append(
+                pa.table(
+                    {
+                        "click_id": rows.column("click_id"),
+                        "query_id": rows.column("query_id"),
+                        "ad_id": rows.column("ad_id"),
+                        "click_ts_us": rows.column("click_ts_us"),
+                        "decided_at_us": pa.array(np.full(n, t.now, np.int64)),
+                        "pipeline": pa.array([t.dc] * n, pa.string()),
+                        "reason": reason if isinstance(reason, pa.Array) else pa.array([reason] * n, pa.string()),
+                    },
+                    schema=UNJOINABLE_SCHEMA,
+                )
+            )
+
+    if due.num_rows:
+        # Event time sanity at the door (by the batch's server time, which the registry's own check is also given:
+        # the same bound on the same clock, so it never refuses what passed here).
+        ts = due.column("click_ts_us").to_numpy()
+        now = t.now
+        ahead = ts > now + int(t.max_future_s * US)
+        give_up(due.filter(pa.array(ahead)), _future_reason(t.max_future_s))
+        give_up(due.filter(pa.array(ts < PLAUSIBLE_FROM_US)), REASON_BEFORE)
+        due = due.filter(pa.array(~_implausible(ts, now, int(t.max_future_s * US))))
+    if due.num_rows:
+        reg = _registry(dict(t.servers), t.max_future_s)
+        # 2. registry pre-filter: someone else's click is dropped; ours (a retry after a crash) goes on.
+        found = reg.lookup(due.column("click_id"))
+        taken = found.registered & (found.tokens != t.token)
+        counts["prefiltered"] = int(np.count_nonzero(taken))
+        give_up(due.filter(pa.array(~taken & found.too_old)), REASON_GC)
+        live = due.filter(pa.array(~taken & ~found.too_old))
+        if t.horizon_us is not None:  # the EventStores keep nothing older (EVENTS.md): no point waiting for it
+            q_valid, q_ts = valid_ids(live.column("query_id"))
+            forgotten = q_valid & (q_ts < t.horizon_us)
+            give_up(live.filter(pa.array(forgotten)), REASON_QUERY_GC)
+            live = live.filter(pa.array(~forgotten))
+        # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries; for a backfill, then
+        # the data center's shared query index.
+        cache = cache_for(state / "eventstore", Path(t.logs), t.cache_buckets, t.cache_max_rows)
+        queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
+        if t.shared_index is not None and not hit.all():
+            shared = cache_for(Path(t.shared_index), Path(t.logs), t.cache_buckets, t.cache_max_rows)
+            ids = live.column("query_id").combine_chunks()
+            queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
+        counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
+        miss = live.filter(pa.array(~hit))
+        live_hit = live.filter(pa.array(hit))
+        q = queries.filter(pa.array(hit))
+        # 4. adapter: its contract is checked, and a broken adapter turns its clicks into unjoinable/ rows with its
+        # error as the reason, never into lost clicks or a failed batch.
+        adapted = ADAPTED_SCHEMA.empty_table()
+        if live_hit.num_rows:
+            try:
+                adapted = run_adapter(
+                    t.adapter,
+                    pa.RecordBatch.from_pydict(
+                        {
+                            "click_id": live_hit.column("click_id").combine_chunks(),
+                            "click_ts_us": live_hit.column("click_ts_us").combine_chunks(),
+                            "query_id": live_hit.column("query_id").combine_chunks(),
+                            "ad_id": live_hit.column("ad_id").combine_chunks(),
+                            "query_ts_us": q.column("ts_us").combine_chunks(),
+                            "user_id": q.column("user_id").combine_chunks(),
+                            "query_text": q.column("query_text").combine_chunks(),
+                            "country": q.column("country").combine_chunks(),
+                            "ads": q.column("ads").combine_chunks(),
+                        }
+                    ),
+                )
+            except Exception as exc:
+                give_up(live_hit, f"adapter {t.adapter} failed: {type(exc).__name__}: {str(exc)[:300]}")
+        filtered = pc.is_valid(adapted.column("reason")).to_numpy(zero_copy_only=False)
+        give_up(adapted.filter(pa.array(filtered)), adapted.column("reason").filter(pa.array(filtered)))
+        keep = adapted.filter(pa.array(~filtered))
+        # 5. registration: one transaction per shard, under the batch's token.
+        if keep.num_rows:
+            res = reg.register(keep.column("click_id"), Token.from_value(t.token), now_us=t.now)
+            counts["registry_txns"] += len(res.shards)
+            counts["registry_rows"] += sum(s.rows for s in res.shards)
+            counts["registry_retries"] += res.retries
+            outcome = np.asarray(res.outcomes)
+            # A measurement (latency), not a decision: this worker's clock on the server's scale, never before now.
+            joined_at = max(t.now, int(time.time() * US) + t.clock_offset_us)
+            won = (outcome == Outcome.WON) | (outcome == Outcome.WON_AGAIN)
+            counts["won_again"] = int(np.count_nonzero(outcome == Outcome.WON_AGAIN))
+            counts["wasted"] = int(np.count_nonzero(outcome == Outcome.LOST))
+            give_up(keep.filter(pa.array(outcome == Outcome.TOO_OLD)), REASON_GC)
+            out = keep.filter(pa.array(won))
+            n = out.num_rows
+            if n:
+                out = out.drop_columns(["reason"])
+                out = out.append_column("joined_at_us", pa.array(np.full(n, joined_at, np.int64)))
+                out = out.append_column("pipeline", pa.array([t.dc] * n, pa.string()))
+                atomic_write(out.select(JOINED_SCHEMA.names).cast(JOINED_SCHEMA), stage / JOINED / name)
+                latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
+            counts["joined"] = n
+        # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay, which
+        # runs from the click's time, but never from later than the maximum clock skew after it was first seen (a
+        # click stamped ahead waits no longer than an honest one), or from its recovery.
+        first_seen = miss.column("first_seen_us").to_numpy() + t.max_clock_skew_us
+        since = np.maximum(
+            np.minimum(miss.column("click_ts_us").to_numpy(), first_seen),
+            pc.fill_null(miss.column("recovered_us"), 0).to_numpy(),
+        )
+        late = t.now - since > t.max_join_delay_us
+        gone = stats.unreadable[~hit]  # its query was stored, but its log line no longer reads back
+        give_up(miss.filter(pa.array(late & ~gone)), REASON_TOO_LATE)
+        give_up(miss.filter(pa.array(late & gone)), REASON_LOG_GONE)
+        again = miss.filter(pa.array(~late))
+        attempts = again.column("attempts").to_numpy()
+        backoff = np.minimum(t.retry_max_s, t.retry_base_s * np.power(2.0, attempts))
+        # Never past the deadline: a query arriving in a click's last seconds must still find it.
+        due = np.minimum(t.now + (backoff * US).astype(np.int64), since[~late] + t.max_join_delay_us)
+        again = again.set_column(
+            again.schema.get_field_index("attempts"), "attempts", pa.array(attempts + 1, pa.int32())
+        )
+        again = again.set_column(again.schema.get_field_index("due_us"), "due_us", pa.array(due, pa.int64()))
+        retry.append(again)
+    if unjoinable:
+        table = pa.concat_tables(unjoinable)
+        counts["unjoinable"] = table.num_rows
+        atomic_write(table, stage / UNJOINABLE / name)
+    retries = pa.concat_tables(retry)
+    counts["retried"] = retries.num_rows
+    if retries.num_rows:
+        atomic_write(retries.cast(CANDIDATE), state / "retries" / t.tag / name)
+    return counts, latencies
+
+
+def lookup_also(
+    store: Any, query_ids: pa.Array, bucket_s: int, queries: pa.Table, hit: np.ndarray, stats: Any
+) -> tuple[pa.Table, np.ndarray]:
+    """Look the ids not ``hit`` yet up in a second store; (queries, hit) for all of them, and ``stats`` updated (a
+    query found there is no longer unreadable)."""
+    missing = np.flatnonzero(~hit)
+    more, found, more_stats = store.lookup(query_ids.take(pa.array(missing)), bucket_s)
+    stats.hits += more_stats.hits
+    stats.files_read += more_stats.files_read
+    stats.lines_read += more_stats.lines_read
+    stats.lines_missing += more_stats.lines_missing
+    stats.unreadable[missing] = (stats.unreadable[missing] | more_stats.unreadable) & ~found
+    if not found.any():
+        return queries, hit
+    rows = np.arange(len(hit))
+    rows[missing[found]] = len(hit) + np.flatnonzero(found)
+    hit = hit.copy()
+    hit[missing[found]] = True
+    return pa.concat_tables([queries, more.cast(queries.schema)]).take(pa.array(rows)), hit
