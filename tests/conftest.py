@@ -114,24 +114,47 @@ def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
             cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
 
 
-# The slowest test files as measured last (pytest prints the 15 slowest tests), longest first. `make test` runs the
-# suite on every core (pytest-xdist, work stealing): a long test started last would run alone at the end, so the
-# collection starts with these and the many short tests fill the gaps.
+# The slowest tests as measured last (`make test` prints the 15 slowest), longest first, each a node id or the
+# prefix of some. `make test` runs pytest-xdist's `load` scheduling one test at a time (--maxschedchunk 1): each
+# worker starts with the next two tests of the collection and then takes the next one whenever it is free. So the
+# collection deals the long tests first, each followed by a short one (a worker's first two tests are not one pair of
+# long ones), and the many short tests fill the gaps. (Work stealing and `load`'s default chunks hand each worker a
+# contiguous block at the start, which put every long test on one worker: it ran alone for the last few minutes.)
 SLOW_FIRST = (
-    "tests/integration/test_nemesis.py",
-    "tests/integration/test_airflow_local.py",
-    "tests/integration/test_handover.py",
-    "tests/unit/test_parse_properties.py",
-    "tests/integration/test_reshard.py",
+    "tests/integration/test_airflow_local.py::test_backfill_while_a_joiner_lease_runs",  # 374 s with 4 workers
+    "tests/integration/test_joiner.py::test_sigkilled_joiner_restarted",  # 300 s
+    "tests/integration/test_verify.py::test_killed_joiner_losses",  # 282 s
+    "tests/unit/test_parse_properties.py::test_mutated_events",  # 162 s
+    "tests/integration/test_nemesis.py",  # 161 s
+    "tests/integration/test_handover.py::test_standby_leases_hand_over_on_release",  # 111 s
+    "tests/integration/test_airflow.py::test_join_dag_runs_a_lease",  # 104 s
+    "tests/integration/test_airflow.py::test_backfill_over_two_intervals",  # 97 s
+    "tests/integration/test_verify_safety.py::test_the_surviving_data_center",  # 73 s, 49 s
+    "tests/integration/test_reshard.py::test_reshard_4_to_12",  # 68 s
+    "tests/integration/test_audit.py::test_logs_mode",  # 77 s with its fixture
+    "tests/unit/test_parse_properties.py::test_random_bytes",  # 48 s
+    "tests/integration/test_airflow.py",  # 46 s, 45 s, ...
+    "tests/integration/test_airflow_local.py",  # 43 s, 32 s
     "tests/integration/test_durability.py",
-    "tests/integration/test_verify.py",
-    "tests/integration/test_airflow.py",
-    "tests/integration/test_hostile_input.py",
+    "tests/unit/test_parse_properties.py",
     "tests/integration/test_verify_safety.py",
+    "tests/integration/test_backfill.py",
+    "tests/unit/test_generator.py",
+    "tests/integration/test_hostile_input.py",
+    "tests/integration/test_clock.py",
+    "tests/integration/test_handover.py",
+    "tests/integration/test_reshard.py",
+    "tests/integration/test_verify.py",
     "tests/integration/test_joiner.py",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(SLOW_FIRST)))  # stable: order kept
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+    ranked = sorted(items, key=rank)  # stable: the collection's order within a rank
+    slow = [item for item in ranked if rank(item) < len(SLOW_FIRST)]
+    rest = ranked[len(slow) :]
+    dealt = [x for pair in zip(slow, rest, strict=False) for x in pair]
+    items[:] = dealt + slow[len(dealt) // 2 :] + rest[len(dealt) // 2 :]

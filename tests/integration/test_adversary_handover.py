@@ -274,7 +274,7 @@ def test_a_dry_batch_beside_a_live_lease_or_left_by_a_crash_registers_nothing_an
 
     def dry() -> None:
         try:
-            warm._dry_batch(leftover)  # warm_up() less its clean-up: what SIGKILL after the job leaves
+            warm.batches._dry_batch(leftover)  # warm_up() less its clean-up: what SIGKILL after the job leaves
         except BaseException as exc:  # reported below
             errors.append(exc)
 
