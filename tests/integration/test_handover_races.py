@@ -6,21 +6,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 
-import photon.joiner.batch as batch_mod
-import photon.joiner.discovery as discovery_mod
-import photon.joiner.lease as lease_mod
 from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
 from photon.joiner.state import FencedError, Lease
 from photon.logs.layout import partition_of
 from photon.pg import autocommit
+from photon.registry.clock import ServerClock
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -89,34 +86,34 @@ def click_file(logs: Path, part: str, name: str, ts: int) -> None:
 
 
 def test_a_lease_whose_clock_is_behind_never_moves_the_listing_mark_back(
-    tmp_path: Path, servers: dict[str, str], spark: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, servers: dict[str, str], spark: Any
 ) -> None:
     """Was: a lease on a host whose clock was a second or two behind the previous lease's committed an older mark;
     it had loaded no consumed-file record from before the committed mark, so it read a consumed file again and its
-    commit failed on the consumed-file key (a crashed lease; after a GC of those records, a file read twice)."""
+    commit failed on the consumed-file key (a crashed lease; after a GC of those records, a file read twice).
+    Decisions now read the registry server's clock, but through an offset measured over a round trip: a lease's
+    reading may still be behind the previous one's by up to half of it. Here lease 2 reads 1.5 s behind."""
     logs, out = tmp_path / "logs", tmp_path / "out"
     (logs / "dc-a" / "queries").mkdir(parents=True)
     settings = JoinSettings(parallelism=1, trigger_interval_s=0.2, max_join_delay_s=120)
     minute = int(time.time()) // 60 * 60
 
-    def clock(at_s: float) -> types.SimpleNamespace:  # the driver's clock reads at_s when the lease starts
-        offset = at_s - time.time()
-        return types.SimpleNamespace(time=lambda: time.time() + offset, monotonic=time.monotonic, sleep=time.sleep)
+    class Shifted(ServerClock):  # the server's clock as this lease reads it: at_s when the lease starts
+        def __init__(self, at_s: float) -> None:
+            super().__init__(servers["main"], settings.max_clock_skew_s)
+            self.shift_us = int((at_s - time.time()) * US)
+
+        def now_us(self) -> int:
+            return super().now_us() + self.shift_us
 
     old = int(time.time() * US) - 600 * US  # old clicks whose queries never come: unjoinable at once
     click_file(logs, partition_of((minute - 90) * US), "10.0.0.1-5-1.jsonl", old)  # two minutes back
 
-    def set_clock(at_s: float) -> None:  # the driver's parts: the lease, its listing and its batches
-        for module in (lease_mod, discovery_mod, batch_mod):
-            monkeypatch.setattr(module, "time", clock(at_s))
-
-    set_clock(minute + 1.0)  # lease 1: just after the minute turned
-    j1 = Joiner("dc-a", logs, out, servers, spark, settings)
+    j1 = Joiner("dc-a", logs, out, servers, spark, settings, clock=Shifted(minute + 1.0))  # just after the minute
     j1.run(max_batches=1)
     j1.release()
-    set_clock(minute - 0.5)  # lease 2: its clock 1.5 s behind
     click_file(logs, partition_of(int(time.time() * US)), "10.0.0.1-5-2.jsonl", old + US)
-    j2 = Joiner("dc-a", logs, out, servers, spark, settings)
+    j2 = Joiner("dc-a", logs, out, servers, spark, settings, clock=Shifted(minute - 0.5))  # 1.5 s behind lease 1
     j2.run(until_caught_up=True, max_batches=3)  # raised UniqueViolation on consumed_files before
     j2.release()
     with autocommit(servers["main"]) as conn, conn.cursor() as cur:
