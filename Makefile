@@ -27,8 +27,9 @@ setup: $(VENV)/.ready
 	  || $(MAKE) --no-print-directory data-docs-assets
 	@test -x /usr/bin/chromium || $(MAKE) --no-print-directory chromium
 	@test -x /usr/bin/faketime || $(MAKE) --no-print-directory faketime
+	@test -x /usr/bin/etcd || $(MAKE) --no-print-directory etcd
 
-.PHONY: data-docs-assets chromium faketime
+.PHONY: data-docs-assets chromium faketime etcd
 # The CSS/JS that GX's Data Docs pages name, from the very npm packages (and versions) their CDN links serve, pinned
 # with integrity hashes by plugins/photon/tools/data_docs/package-lock.json; photon.tools.quality copies the few files
 # a page loads into the site, so it renders offline. Reinstalled whenever the lock changes.
@@ -55,6 +56,15 @@ faketime:
 	elif [ "$$(id -u)" = 0 ]; then echo "== installing faketime (apt)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends faketime; \
 	else echo "make setup: /usr/bin/faketime is missing; the clock tests need it: sudo apt-get install -y faketime"; fi
+
+# Debian's etcd: the store Patroni keeps the leader key in, for the local three-node registry cluster
+# (photon registry cluster up).
+etcd:
+	@if [ -x /usr/bin/etcd ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "== installing etcd-server (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server; \
+	else echo "make setup: /usr/bin/etcd is missing; the registry cluster needs it:" \
+	  "sudo apt-get install -y --no-install-recommends etcd-server"; fi
 
 # The path already holds the requirements' hash, so a fresh clone (newer file times) must not rebuild it: the
 # requirements file is an order-only prerequisite.
