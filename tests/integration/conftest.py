@@ -3,11 +3,12 @@ another role)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from photon.registry.admin import init_registry
+from photon.registry.cluster import LocalCluster
 
 
 @pytest.fixture
@@ -16,3 +17,15 @@ def servers(make_db: Callable[[], str], login_as: Callable[[str, str], str]) -> 
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=4)
     return {"main": login_as(dsn, "photon_joiner")}
+
+
+@pytest.fixture(scope="module")
+def registry_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A local three-node cluster (etcd, three Patroni nodes, quorum commit), up and acknowledging commits on a
+    standby; stopped at the end of the module."""
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
