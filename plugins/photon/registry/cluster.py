@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ class NodeStatus:
 
 def bin_dir() -> Path:
     """PostgreSQL's binaries: the pgserver wheel's (initdb, pg_basebackup and pg_rewind included), else Debian's."""
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(ImportError), warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (as in photon.pg); only the package's folder is needed.
+        warnings.simplefilter("ignore")
         import pgserver
 
         wheel = Path(pgserver.__file__).parent / "pginstall" / "bin"
@@ -334,13 +337,16 @@ class LocalCluster:
 
     # -- looking -------------------------------------------------------------------------------------------------
 
+    def _require(self) -> None:
+        if not self.state:
+            raise ClusterError(f"no cluster in {self.folder}: run `photon registry cluster up --dir {self.folder}`")
+
     def _nodes(self) -> list[dict[str, int]]:
         return [self.state["nodes"][n] for n in NODES]
 
     def dsn(self, *, user: str = SUPERUSER) -> str:
         """The multi-host DSN: libpq tries the nodes in turn and keeps the one that takes writes."""
-        if not self.state:
-            raise ClusterError(f"no cluster in {self.folder}: run `photon registry cluster up --dir {self.folder}`")
+        self._require()
         ports = ",".join(str(n["pg"]) for n in self._nodes())
         return (
             f"host={','.join(['127.0.0.1'] * len(NODES))} port={ports} dbname=postgres user={user} "
@@ -363,6 +369,7 @@ class LocalCluster:
 
     def _members(self) -> list[dict[str, Any]]:
         """Patroni's view of the cluster (its REST API's /cluster), from the first node that answers."""
+        self._require()
         for name in NODES:
             port = self.state["nodes"][name]["api"]
             try:
@@ -415,14 +422,20 @@ class LocalCluster:
         return None
 
     def kill_primary(self) -> str:
-        """SIGKILL the primary's postmaster and its Patroni (a machine lost); returns the node's name."""
+        """SIGKILL the primary's PostgreSQL and its Patroni (a machine lost); returns the node's name. Its backends
+        too: a backend outlives its postmaster for a moment and could still acknowledge a commit."""
         name = self.primary()
         if name is None:
             raise ClusterError("no primary to kill")
-        for proc in (self._postmaster(name), self._process(name)):
-            if proc is not None:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.kill()
+        procs: list[psutil.Process] = []
+        for root in (self._postmaster(name), self._process(name)):
+            if root is not None:
+                with contextlib.suppress(psutil.Error):
+                    procs += [root, *root.children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=5)
         return name
 
     def restart_node(self, name: str) -> None:
@@ -436,6 +449,7 @@ class LocalCluster:
     def down(self, timeout: float = 20.0) -> None:
         """SIGTERM every process the cluster started (Patroni stops its PostgreSQL), SIGKILL what is left after
         ``timeout``; nothing keeps running."""
+        self._require()
         self._stop(list(NODES), timeout=timeout)
         self._stop(["etcd"], timeout=timeout)  # last: a Patroni stopping still talks to it
 
