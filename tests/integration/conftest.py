@@ -28,4 +28,5 @@ def registry_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
         cluster.up()
         yield cluster
     finally:
-        cluster.down()
+        if cluster.state:  # not when up() failed before writing any state (no binaries, say)
+            cluster.down()
