@@ -109,7 +109,11 @@ class Node:
         _run(_bin("pg_basebackup"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-D", str(node.data),
              "-R", "-X", "stream", "--no-sync")  # fmt: skip
         node._configure(
-            {"primary_conninfo": f"'host=127.0.0.1 port={self.port} user=postgres application_name={name}'"}
+            {
+                "primary_conninfo": f"'host=127.0.0.1 port={self.port} user=postgres application_name={name}'",
+                # The copy carries the primary's standby names; promoted, it would wait for itself for ever.
+                "synchronous_standby_names": "''",
+            }
         )
         return node.start()
 
