@@ -8,15 +8,16 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import psycopg2
 import psycopg2.errorcodes
 import psycopg2.extensions
 from psycopg2 import sql
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,32 @@ def is_connection_error(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     return is_serialization_error(exc) or is_connection_error(exc)
+
+
+T = TypeVar("T")
+FAILOVER_ENV = "PHOTON_REGISTRY_FAILOVER_S"  # photon/settings.py: registry_failover_s
+
+
+def failover_s() -> float:
+    """How long a write retries a lost server (PHOTON_REGISTRY_FAILOVER_S, default 45 s: Patroni's ttl of at least
+    20 s plus the promotion); read from the environment, the foundation importing nothing of photon."""
+    return float(os.environ.get(FAILOVER_ENV) or 45.0)
+
+
+def across_failover(fn: Callable[[], T], *, budget_s: float | None = None) -> T:
+    """Run ``fn`` (one whole transaction on its own connection) again while its server is lost or unreachable, for
+    up to ``budget_s`` (default failover_s()): a multi-host DSN then finds the new primary. ``fn`` must be safe to
+    run twice: a COMMIT whose answer was lost may have committed (each caller says why it is)."""
+    retrying = Retrying(
+        retry=retry_if_exception(lambda e: is_connection_error(e) or isinstance(e, RegistryUnavailableError)),
+        wait=wait_random_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(failover_s() if budget_s is None else budget_s),
+        reraise=True,
+    )
+    for attempt in retrying:
+        with attempt:
+            return fn()
+    raise AssertionError("unreachable")
 
 
 def with_dbname(dsn: str, dbname: str) -> str:
