@@ -312,6 +312,9 @@ class EmbeddedPostgres:
             server.cleanup()
             server = pgserver.get_server(self.folder, cleanup_mode=self.cleanup_mode)
         self._server = server
+        # A lone server by construction: this process and the ones it starts with this server's DSN (a joiner, a
+        # Spark job, a benchmark's workers) accept it as one, unless the environment already says otherwise.
+        os.environ.setdefault(REPLICATION_ENV, "single")
         admin = server.get_uri()
         create_database(admin, EMBEDDED_DATABASE)
         return with_dbname(admin, EMBEDDED_DATABASE)
