@@ -25,6 +25,9 @@ os.environ["GX_ANALYTICS_ENABLED"] = "false"
 os.environ["PHOTON_TASK_RETRIES"] = "0"  # a failing task in dag.test() fails at once instead of backing off
 # pytest-xdist's workers start with COLUMNS=80, which a rich Console created at import (photon.cli's) would keep for
 # good: tests that set COLUMNS for one command (a wide `photon status` table) must see it.
+# Every test server is a lone PostgreSQL (the embedded one, or the machine's named by PHOTON_REGISTRY_DSN, where the
+# guard's default would refuse it): the replication guard's own tests ask for "required" themselves.
+os.environ.setdefault("PHOTON_REGISTRY_REPLICATION", "single")
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 

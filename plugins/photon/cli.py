@@ -672,7 +672,7 @@ def main() -> None:
         # The error classes are imported only now: their modules load Arrow, which `--help` does not need.
         from photon.durable import CorruptStateError
         from photon.logs.ids import InvalidEventIdError
-        from photon.pg import RegistryUnavailableError
+        from photon.pg import RegistryUnavailableError, UnsafeReplicationError
         from photon.registry.client import RegistryError
         from photon.registry.clock import ClockSkewError
         from photon.registry.cluster import ClusterError
@@ -682,6 +682,7 @@ def main() -> None:
             exc,
             RegistryError
             | RegistryUnavailableError
+            | UnsafeReplicationError
             | MigrationError
             | InvalidEventIdError
             | CorruptStateError

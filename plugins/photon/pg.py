@@ -6,16 +6,18 @@ import contextlib
 import json
 import logging
 import os
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import psycopg2
 import psycopg2.errorcodes
 import psycopg2.extensions
 from psycopg2 import sql
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,11 @@ EMBEDDED_DATABASE = "photon"
 
 class RegistryUnavailableError(RuntimeError):
     """A registry server could not be reached (after retries)."""
+
+
+class UnsafeReplicationError(RuntimeError):
+    """A registry server would acknowledge a commit that no standby holds, and the deployment did not say it accepts
+    a single server (PHOTON_REGISTRY_REPLICATION). Not retried: a setting is wrong, not a server away."""
 
 
 def is_serialization_error(exc: BaseException) -> bool:
@@ -51,6 +58,32 @@ def is_transient(exc: BaseException) -> bool:
     return is_serialization_error(exc) or is_connection_error(exc)
 
 
+T = TypeVar("T")
+FAILOVER_ENV = "PHOTON_REGISTRY_FAILOVER_S"  # photon/settings.py: registry_failover_s
+
+
+def failover_s() -> float:
+    """How long a write retries a lost server (PHOTON_REGISTRY_FAILOVER_S, default 45 s: Patroni's ttl of at least
+    20 s plus the promotion); read from the environment, the foundation importing nothing of photon."""
+    return float(os.environ.get(FAILOVER_ENV) or 45.0)
+
+
+def across_failover(fn: Callable[[], T], *, budget_s: float | None = None) -> T:
+    """Run ``fn`` (one whole transaction on its own connection) again while its server is lost or unreachable, for
+    up to ``budget_s`` (default failover_s()): a multi-host DSN then finds the new primary. ``fn`` must be safe to
+    run twice: a COMMIT whose answer was lost may have committed (each caller says why it is)."""
+    retrying = Retrying(
+        retry=retry_if_exception(lambda e: is_connection_error(e) or isinstance(e, RegistryUnavailableError)),
+        wait=wait_random_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(failover_s() if budget_s is None else budget_s),
+        reraise=True,
+    )
+    for attempt in retrying:
+        with attempt:
+            return fn()
+    raise AssertionError("unreachable")
+
+
 def with_dbname(dsn: str, dbname: str) -> str:
     return psycopg2.extensions.make_dsn(dsn, dbname=dbname)
 
@@ -70,20 +103,139 @@ def redact(dsn: str) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
+# The replication guard (issue 21). A registry that acknowledges a registration its standby does not hold can forget
+# it in a failover, and the other pipeline then joins the click again. So before anything is written the server must
+# show it waits for a standby: synchronous_commit not off/local, synchronous_standby_names set, and a standby streaming
+# in sync or quorum state. PHOTON_REGISTRY_REPLICATION (photon/settings.py says why the defaults are what they are;
+# read here from the environment because the foundation modules import nothing of photon) turns it off for a single
+# server. Checked when a connection is made (every component connects through connect(), a lost connection is
+# re-made through it) and again, at most every GUARD_RECHECK_S, on the connections a client keeps (check_replication).
+REPLICATION_ENV = "PHOTON_REGISTRY_REPLICATION"
+REPLICATION_MODES = ("required", "single")
+GUARD_RECHECK_S = 5.0
+_SAFE_COMMIT = ("on", "remote_apply", "remote_write")
+_WAY_OUT = f"or set {REPLICATION_ENV}=single to accept a single server"
+
+
+def replication_mode() -> str:
+    """``required`` or ``single``: the environment's PHOTON_REGISTRY_REPLICATION, else ``single`` for the embedded
+    server (no PHOTON_REGISTRY_DSN) and ``required`` for a server named by a DSN."""
+    mode = os.environ.get(REPLICATION_ENV, "").strip().lower()
+    if not mode:
+        return "required" if os.environ.get("PHOTON_REGISTRY_DSN") else "single"
+    if mode not in REPLICATION_MODES:
+        raise ValueError(f"{REPLICATION_ENV}={mode!r}: expected one of {', '.join(REPLICATION_MODES)}")
+    return mode
+
+
+class GuardedConnection(psycopg2.extensions.connection):
+    """A connection that remembers when its server last passed the replication guard (the per-connection cache)."""
+
+    guard_checked_at: float | None = None
+
+
+_GUARD_SETTINGS = (
+    "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'),"
+    " pg_is_in_recovery(), to_regprocedure('photon.replication_standbys()') IS NOT NULL,"
+    " pg_has_role('pg_read_all_stats', 'USAGE'), current_user"
+)
+# What the function of sql/0011 returns: a role without pg_read_all_stats sees NULL sync_state in the view itself.
+_GUARD_STANDBYS_FN = "SELECT application_name, state, sync_state FROM photon.replication_standbys()"
+_GUARD_STANDBYS = "SELECT application_name, state, sync_state FROM pg_stat_replication"
+
+
+def _replication_problem(conn: Any) -> str | None:
+    """Why this server could acknowledge a commit no standby holds (one clause), or None if it cannot."""
+    with conn.cursor() as cur:
+        cur.execute(_GUARD_SETTINGS)
+        commit, names, in_recovery, have_fn, read_stats, user = cur.fetchone()
+        if in_recovery:
+            return None  # a standby accepts no write at all (a multi-host DSN without target_session_attrs)
+        if commit not in _SAFE_COMMIT:
+            return (
+                f"synchronous_commit = '{commit}' acknowledges a commit before a standby holds it: set it to 'on' "
+                "(server, database and role settings)"
+            )
+        if not names.strip():
+            return (
+                "synchronous_standby_names is empty, so commits are acknowledged with no standby holding them "
+                "(asynchronous replication or a lone server): configure synchronous replication (Patroni: "
+                "synchronous_mode: quorum)"
+            )
+        if have_fn:
+            cur.execute(_GUARD_STANDBYS_FN)
+        elif read_stats:
+            cur.execute(_GUARD_STANDBYS)
+        else:
+            return (
+                f"role {user} cannot see which standbys are in sync (pg_stat_replication): run "
+                "`photon registry init` as the admin (it creates photon.replication_standbys())"
+            )
+        standbys = cur.fetchall()
+    if any(state == "streaming" and sync in ("sync", "quorum") for _, state, sync in standbys):
+        return None
+    seen = ", ".join(f"{app} {state}/{sync}" for app, state, sync in standbys) or "none connected"
+    return (
+        f"synchronous_standby_names = '{names}' but no standby streams in sync or quorum state ({seen}): start or "
+        "reconnect a synchronous standby"
+    )
+
+
+def check_replication(conn: Any, dsn: str, *, max_age_s: float | None = None) -> None:
+    """Raise UnsafeReplicationError (one line: the setting, its value, the way out) unless the deployment accepts a
+    single server or the server waits for a standby; a verdict younger than ``max_age_s`` on this connection is
+    reused (default GUARD_RECHECK_S). Leaves the connection as it found it (no transaction open)."""
+    if replication_mode() == "single":
+        return
+    checked = getattr(conn, "guard_checked_at", None)
+    if checked is not None and time.monotonic() - checked < (GUARD_RECHECK_S if max_age_s is None else max_age_s):
+        return
+    was_idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    try:
+        problem = _replication_problem(conn)
+    finally:
+        if was_idle and not conn.autocommit:
+            conn.rollback()
+    if problem is not None:
+        raise UnsafeReplicationError(f"registry server {redact(dsn)} refused: {problem}, {_WAY_OUT}")
+    if isinstance(conn, GuardedConnection):
+        conn.guard_checked_at = time.monotonic()
+
+
 def connect(
-    dsn: str, *, application_name: str = "photon", connect_timeout: int = 5, statement_timeout_ms: int | None = None
+    dsn: str,
+    *,
+    application_name: str = "photon",
+    connect_timeout: int = 5,
+    statement_timeout_ms: int | None = None,
+    guard: bool = True,
 ) -> Any:
     """A connection to a registry server. ``statement_timeout_ms`` bounds each statement and each lock wait, for the
-    calls that must never hold up their caller (a standby's announcement, a lease asking for its successor)."""
+    calls that must never hold up their caller (a standby's announcement, a lease asking for its successor).
+    ``guard``: refuse a server that would acknowledge a commit no standby holds (check_replication); off only for
+    the admin's own work (databases, migrations) and read-only diagnostics."""
     extra = {}
     if statement_timeout_ms is not None:  # added to the DSN's own options, which a keyword would replace
         own = psycopg2.extensions.parse_dsn(dsn).get("options", "")
         timeouts = f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}"
         extra["options"] = f"{own} {timeouts}".strip()
     try:
-        return psycopg2.connect(dsn, application_name=application_name, connect_timeout=connect_timeout, **extra)
+        conn = psycopg2.connect(
+            dsn,
+            application_name=application_name,
+            connect_timeout=connect_timeout,
+            connection_factory=GuardedConnection,
+            **extra,
+        )
     except psycopg2.OperationalError as exc:
         raise RegistryUnavailableError(f"cannot reach registry server {redact(dsn)}: {str(exc).strip()}") from exc
+    if guard:
+        try:
+            check_replication(conn, dsn)
+        except BaseException:
+            conn.close()
+            raise
+    return conn
 
 
 @contextlib.contextmanager
@@ -97,7 +249,7 @@ def autocommit(dsn: str, **kwargs: Any) -> Iterator[Any]:
 
 
 def create_database(admin_dsn: str, dbname: str) -> str:
-    with autocommit(admin_dsn) as conn, conn.cursor() as cur:
+    with autocommit(admin_dsn, guard=False) as conn, conn.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
         if cur.fetchone() is None:
             cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
@@ -105,7 +257,7 @@ def create_database(admin_dsn: str, dbname: str) -> str:
 
 
 def drop_database(admin_dsn: str, dbname: str) -> None:
-    with autocommit(admin_dsn) as conn, conn.cursor() as cur:
+    with autocommit(admin_dsn, guard=False) as conn, conn.cursor() as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
 
 
@@ -160,6 +312,9 @@ class EmbeddedPostgres:
             server.cleanup()
             server = pgserver.get_server(self.folder, cleanup_mode=self.cleanup_mode)
         self._server = server
+        # A lone server by construction: this process and the ones it starts with this server's DSN (a joiner, a
+        # Spark job, a benchmark's workers) accept it as one, unless the environment already says otherwise.
+        os.environ.setdefault(REPLICATION_ENV, "single")
         admin = server.get_uri()
         create_database(admin, EMBEDDED_DATABASE)
         return with_dbname(admin, EMBEDDED_DATABASE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +38,17 @@ class Settings(BaseSettings):
     # Further registry servers by name, as JSON: {"pg2": "host=... dbname=..."}. Names go in the shard map, DSNs
     # (which may hold secrets) stay out of the database.
     registry_servers: dict[str, str] = Field(default_factory=dict)
+    # Does each registry server have to wait for a synchronous standby before it acknowledges a commit (the guard
+    # in photon/pg.py, read there from PHOTON_REGISTRY_REPLICATION)? "required": refuse to write otherwise; "single":
+    # the deployment accepts one server, whose lost disk loses registrations. Unset: "single" for the embedded server
+    # (one server by construction), "required" once PHOTON_REGISTRY_DSN names one. That default breaks an existing
+    # single-server deployment, on purpose and loudly: one line at the first write, naming this setting. The quiet
+    # alternative is the failure issue 21 is about: asynchronous replication with failover forgets acknowledged
+    # registrations and a click is joined twice, with nothing in any log. Saying "single" is one line of config.
+    registry_replication: Literal["required", "single"] | None = None
+    # How long a write keeps retrying a lost server (whole transactions, a multi-host DSN finding the new primary):
+    # a failover takes Patroni's ttl (20 s at least) plus the promotion, so 45 s.
+    registry_failover_s: float = 45.0
     # Local state: the embedded PostgreSQL's data folder lives here.
     home: Path = Path(".photon")
     # Server clocks are off by at most this much (EVENTS.md).

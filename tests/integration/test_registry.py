@@ -278,7 +278,7 @@ def test_unreachable_server_fails_the_batch_with_nothing_written(make_db: MakeDb
     owner = create_owner(main, "dc-a")
     ids = ids_at(now_us(), 500)
     with (
-        IdRegistry({"main": main, "pg2": dead}, RegistryOptions(connect_attempts=2)) as reg,
+        IdRegistry({"main": main, "pg2": dead}, RegistryOptions(connect_attempts=2, failover_s=0)) as reg,
         pytest.raises(RegistryUnavailableError, match=f"port={dead_port}"),
     ):
         reg.register(ids, owner.token(0))

@@ -112,7 +112,11 @@ class IdRegistryHook(BaseHook):
         import json
 
         servers = self.servers()
-        env = {"PHOTON_REGISTRY_DSN": servers.pop("main")}
+        from photon.pg import REPLICATION_ENV, replication_mode
+
+        # The deployment's replication rule as this process has it: a job handed a DSN would otherwise take the
+        # DSN default (required), also for the embedded server.
+        env = {"PHOTON_REGISTRY_DSN": servers.pop("main"), REPLICATION_ENV: replication_mode()}
         if servers:
             env["PHOTON_REGISTRY_SERVERS"] = json.dumps(servers)
         return env

@@ -27,7 +27,7 @@ from typing import Any
 from psycopg2.extras import execute_values
 
 from photon.logs.layout import part_of_name
-from photon.pg import autocommit, connect
+from photon.pg import across_failover, autocommit, connect
 from photon.registry.owners import Token
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,10 @@ class PipelineState:
     def start_lease(
         self, *, unless_live_within_s: float | None = None, overdue_after_s: float | None = None
     ) -> Lease | None:
+        # Again after a failover: a lease whose COMMIT was lost only fences itself (a new epoch, never used).
+        return across_failover(lambda: self._start_lease(unless_live_within_s, overdue_after_s))
+
+    def _start_lease(self, unless_live_within_s: float | None, overdue_after_s: float | None) -> Lease | None:
         """Take a new epoch (fencing the lease before). With ``unless_live_within_s``, only if no lease holds the
         pipeline with a heartbeat that recent (a standby must not fence the lease another standby just took):
         None if one does. With ``overdue_after_s`` too, a live lease that started longer ago than that is fenced
@@ -197,7 +201,20 @@ class PipelineState:
         """Commit batch ``batch_seq`` and acknowledge shard configuration ``config_version`` (by default the newest
         one planned or active, read in the same transaction). True if this call committed it, False if it was already
         committed by this epoch. Raises FencedError if the epoch was superseded
-        or the batch is out of order."""
+        or the batch is out of order. Run again after a failover: a COMMIT whose answer was lost is found committed
+        by this epoch (False)."""
+        files = list(files)  # read again by a second try
+        return across_failover(lambda: self._commit(lease, batch_seq, files, metrics, config_version, marks))
+
+    def _commit(
+        self,
+        lease: Lease,
+        batch_seq: int,
+        files: Iterable[tuple[str, str]],
+        metrics: Mapping[str, Any] | None,
+        config_version: int | None,
+        marks: Mapping[str, str | None] | None,
+    ) -> bool:
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
             with conn.cursor() as cur:

@@ -60,7 +60,7 @@ from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
-from photon.pg import autocommit, connect
+from photon.pg import across_failover, autocommit, connect
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
@@ -222,7 +222,13 @@ def verify_and_recover(
     grace_s: float = 600.0,
     dry_run: bool = False,
 ) -> VerifyReport:
-    """One verification pass (the numbered steps of the module's doc)."""
+    """One verification pass (the numbered steps of the module's doc), run again from step 1 if a registry server
+    is lost on the way (a failover): the lock is the old primary's session's and goes with it, so no step may go on
+    without it; a pass cut short anywhere is what a crashed pass leaves, which the next pass completes."""
+    return across_failover(lambda: _verify_pass(servers, out, logs, grace_s, dry_run))
+
+
+def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: float, dry_run: bool) -> VerifyReport:
     report = VerifyReport(dry_run=dry_run)
     dcs = _data_centers(logs)
     # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.

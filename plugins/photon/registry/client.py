@@ -33,10 +33,18 @@ import numpy as np
 import psycopg2.errors
 import pyarrow as pa
 from psycopg2.extensions import ISOLATION_LEVEL_SERIALIZABLE
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_random_exponential
 
 from photon.logs.ids import EventKeys, InvalidEventIdError
-from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error, is_transient
+from photon.pg import (
+    RegistryUnavailableError,
+    UnsafeReplicationError,
+    autocommit,
+    check_replication,
+    connect,
+    is_connection_error,
+    is_transient,
+)
 from photon.registry import sql as q
 from photon.registry.owners import Token
 from photon.registry.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
@@ -89,7 +97,11 @@ class PartialRegistrationError(RegistryError):
 
 @dataclass(frozen=True)
 class RegistryOptions:
-    max_attempts: int = 12  # whole-transaction attempts per shard and batch
+    max_attempts: int = 12  # whole-transaction attempts per shard and batch on 40001/40P01
+    # A lost server is retried (whole transactions, a multi-host DSN finding the new primary) this long: a failover
+    # takes Patroni's ttl plus the promotion (PHOTON_REGISTRY_FAILOVER_S). Before issue 21 the only bound was
+    # max_attempts, about 5 s of backoff: a failover failed the batch.
+    failover_s: float = 45.0
     backoff_base_s: float = 0.02
     backoff_max_s: float = 2.0
     connect_attempts: int = 3
@@ -225,6 +237,7 @@ class IdRegistry:
     def from_settings(cls, settings: Settings | None = None, **options: Any) -> IdRegistry:
         settings = settings or load_settings()
         options.setdefault("max_future_s", settings.max_future_s)
+        options.setdefault("failover_s", settings.registry_failover_s)
         return cls(servers_from_settings(settings), RegistryOptions(**options))
 
     @property
@@ -297,6 +310,9 @@ class IdRegistry:
         if failed:
             if not all_stats and all(isinstance(e, StaleLayoutError) for e in failed.values()):
                 raise next(iter(failed.values()))  # refused everywhere, nothing written: the plain refusal
+            unsafe = [e for e in failed.values() if isinstance(e, UnsafeReplicationError)]
+            if not all_stats and unsafe:
+                raise unsafe[0]  # nothing written: the guard's one line, not a partial registration
             raise PartialRegistrationError([s.shard for s in all_stats], failed)
         return RegisterResult(keys, outcomes[inverse], all_stats)
 
@@ -384,10 +400,20 @@ class IdRegistry:
         return stats, failed
 
     def _retrying(self, attempts: int | None = None) -> Retrying:
+        """Whole-transaction retries: a conflict (40001/40P01) up to ``attempts`` tries, a lost or unreachable
+        server until ``failover_s`` has passed since the first try (at least ``attempts`` tries either way)."""
+        limit = attempts or self.options.max_attempts
+
+        def stop(state: RetryCallState) -> bool:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if exc is not None and (is_connection_error(exc) or isinstance(exc, RegistryUnavailableError)):
+                return state.attempt_number >= limit and (state.seconds_since_start or 0.0) >= self.options.failover_s
+            return state.attempt_number >= limit
+
         return Retrying(
             retry=retry_if_exception(lambda e: is_transient(e) or isinstance(e, RegistryUnavailableError)),
             wait=wait_random_exponential(multiplier=self.options.backoff_base_s, max=self.options.backoff_max_s),
-            stop=stop_after_attempt(attempts or self.options.max_attempts),
+            stop=stop,
             reraise=True,
         )
 
@@ -449,6 +475,9 @@ class IdRegistry:
                 conn = None
                 try:
                     conn = self._conn(ref)
+                    # A kept connection's server may have lost its synchronous standby since it was opened (Patroni
+                    # outside strict mode then clears synchronous_standby_names): checked again, at most every few s.
+                    check_replication(conn, self.servers[self.layout().server_of(ref)])
                     return body(conn), attempts
                 except BaseException as exc:
                     self._discard(ref, conn, exc)

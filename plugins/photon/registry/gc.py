@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from photon.logs.layout import partition_of
-from photon.pg import autocommit
+from photon.pg import across_failover, autocommit
 from photon.registry import sql as q
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sharding import ShardRef
@@ -81,8 +81,10 @@ def collect_garbage(
     report = GCReport(dry_run=dry_run, target_us=target)
     for ref in layout.shards():
         server = layout.server_of(ref)
-        report.shards.append(_collect_shard(servers[server], server, ref, target, dry_run))
-    report.consumed_files_freed = _collect_consumed_files(servers[MAIN], target, dry_run)
+        # Both steps run again after a failover: a threshold never moves back, a partition dropped is skipped.
+        dsn = servers[server]
+        report.shards.append(across_failover(lambda: _collect_shard(dsn, server, ref, target, dry_run)))  # noqa: B023
+    report.consumed_files_freed = across_failover(lambda: _collect_consumed_files(servers[MAIN], target, dry_run))
     if not dry_run:
         record_shard_sizes(servers, "gc")
     return report

@@ -51,7 +51,8 @@ def apply_migrations(dsn: str, sql_dir: Path = SQL_DIR) -> list[str]:
     """Apply every pending migration, each in its own transaction; return the names applied (empty: a no-op)."""
     migrations = discover(sql_dir)
     applied_now: list[str] = []
-    with autocommit(dsn, application_name="photon-migrate") as conn, conn.cursor() as cur:
+    # Not guarded: the admin migrates a server the guard would refuse (0011 is what lets the roles pass it).
+    with autocommit(dsn, application_name="photon-migrate", guard=False) as conn, conn.cursor() as cur:
         cur.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
         try:
             cur.execute("CREATE SCHEMA IF NOT EXISTS photon")

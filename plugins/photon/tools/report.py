@@ -33,7 +33,7 @@ class ReportResult:
 
 
 def _metrics(main: str, pipelines: Sequence[str] | None, since_us: int | None) -> dict[str, dict[str, np.ndarray]]:
-    with autocommit(main) as conn, conn.cursor() as cur:
+    with autocommit(main, guard=False) as conn, conn.cursor() as cur:  # read-only
         cur.execute(
             "SELECT pipeline, started_at_us, duration_s, joined, registry_rows, registry_txns,"
             " coalesce(latency_p50_s, 'NaN'), coalesce(latency_p90_s, 'NaN'), coalesce(latency_p99_s, 'NaN')"
@@ -60,7 +60,7 @@ def _metrics(main: str, pipelines: Sequence[str] | None, since_us: int | None) -
 
 def live_pipelines(main: str) -> list[str]:
     """Every pipeline but the backfills (whose latency is hours by nature and would flatten the chart)."""
-    with autocommit(main) as conn, conn.cursor() as cur:
+    with autocommit(main, guard=False) as conn, conn.cursor() as cur:  # read-only
         cur.execute("SELECT pipeline FROM photon.pipelines WHERE pipeline NOT LIKE 'backfill-%' ORDER BY 1")
         return [r[0] for r in cur.fetchall()]
 
@@ -78,7 +78,7 @@ def render_report(
     to.mkdir(parents=True, exist_ok=True)
     m = _metrics(main, pipelines, since_us)
     result = ReportResult(pipelines=sorted(m))
-    with autocommit(main) as conn, conn.cursor() as cur:
+    with autocommit(main, guard=False) as conn, conn.cursor() as cur:  # read-only
         for p in result.pipelines:
             cur.execute(
                 "SELECT count(*), sum(clicks), sum(joined), sum(wasted) FROM photon.batch_metrics"
@@ -113,7 +113,7 @@ def render_report(
     else:
         _batching(plt, m, t0, to, written)
 
-    with autocommit(main) as conn, conn.cursor() as cur:
+    with autocommit(main, guard=False) as conn, conn.cursor() as cur:  # read-only
         cur.execute(
             "SELECT at_us, config_version, shard_no, rows, event FROM photon.shard_history WHERE at_us >= %s"
             " ORDER BY at_us, 2, 3",

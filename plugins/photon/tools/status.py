@@ -118,7 +118,7 @@ def pipeline_status(
 ) -> list[dict[str, Any]]:
     """One record per pipeline (all, or those named), ordered live first, then backfills, by name."""
     wanted = list(pipelines)
-    with autocommit(main_dsn) as conn, conn.cursor() as cur:
+    with autocommit(main_dsn, guard=False) as conn, conn.cursor() as cur:  # read-only: diagnoses a refused server too
         cur.execute("SELECT photon.clock_us()")
         now_us = int(cur.fetchone()[0])
         cur.execute(
