@@ -118,11 +118,12 @@ _WAY_OUT = f"or set {REPLICATION_ENV}=single to accept a single server"
 
 
 def replication_mode() -> str:
-    """``required`` or ``single``: the environment's PHOTON_REGISTRY_REPLICATION, else ``single`` for the embedded
-    server (no PHOTON_REGISTRY_DSN) and ``required`` for a server named by a DSN."""
+    """``required`` or ``single``: the environment's PHOTON_REGISTRY_REPLICATION, else ``required``. The embedded
+    server sets ``single`` for the process that starts it and the ones it starts (EmbeddedPostgres.start): every
+    server named otherwise (a DSN, an Airflow connection) is guarded unless the deployment says it is single."""
     mode = os.environ.get(REPLICATION_ENV, "").strip().lower()
     if not mode:
-        return "required" if os.environ.get("PHOTON_REGISTRY_DSN") else "single"
+        return "required"
     if mode not in REPLICATION_MODES:
         raise ValueError(f"{REPLICATION_ENV}={mode!r}: expected one of {', '.join(REPLICATION_MODES)}")
     return mode

@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     # Does each registry server have to wait for a synchronous standby before it acknowledges a commit (the guard
     # in photon/pg.py, read there from PHOTON_REGISTRY_REPLICATION)? "required": refuse to write otherwise; "single":
     # the deployment accepts one server, whose lost disk loses registrations. Unset: "single" for the embedded server
-    # (one server by construction), "required" once PHOTON_REGISTRY_DSN names one. That default breaks an existing
+    # (one server by construction: starting it sets "single"), "required" for any server named otherwise, by
+    # PHOTON_REGISTRY_DSN or an Airflow connection. That default breaks an existing
     # single-server deployment, on purpose and loudly: one line at the first write, naming this setting. The quiet
     # alternative is the failure issue 21 is about: asynchronous replication with failover forgets acknowledged
     # registrations and a click is joined twice, with nothing in any log. Saying "single" is one line of config.

@@ -29,7 +29,8 @@ def test_multi_host_dsn_keeps_its_hosts(dsn: str) -> None:
 def test_replication_mode_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PHOTON_REGISTRY_REPLICATION", raising=False)
     monkeypatch.delenv("PHOTON_REGISTRY_DSN", raising=False)
-    assert replication_mode() == "single"  # the embedded server: one by construction
+    # A server named by an Airflow connection: guarded (the embedded server's starter sets "single" itself).
+    assert replication_mode() == "required"
     monkeypatch.setenv("PHOTON_REGISTRY_DSN", MULTI)
     assert replication_mode() == "required"
     monkeypatch.setenv("PHOTON_REGISTRY_REPLICATION", "Single")
