@@ -302,7 +302,10 @@ def test_a_pass_that_lost_its_lock_never_publishes_another_pass_s_intent_early(
     def leftovers(*args: Any) -> None:
         if threading.current_thread().name == "V1":
             with autocommit(roles.owner) as conn, conn.cursor() as cur:  # V1's lock session dies
-                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+                # (waiting up to 10 s for it to exit: V2 must find the lock free, not still held by a dying backend)
+                cur.execute(
+                    "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                )
             v2.start()
             assert v2_wrote.wait(120)
         original_leftovers(*args)
