@@ -126,6 +126,7 @@ class Side:
         self.wal_bytes: list[int] = []
         self.txn_seconds: list[float] = []  # one per shard transaction (COPY, commit and its wait for the standby)
         self.flush_lag_s: list[float] = []  # sampled from pg_stat_replication during the runs
+        self.backend_samples = [0, 0]  # registry backends seen waiting for a standby (SyncRep), seen active
 
     def run(self, batches: list[EventKeys], first_seq: int, sample_lag: bool) -> float:
         total = sum(len(b) for b in batches)
@@ -156,10 +157,20 @@ class Side:
 
     def _sample_lag(self, stop: threading.Event) -> None:
         # The standbys' own report of how long a flush took to come back (NULL when idle): the commit's wait.
+        # And what the registry's backends are doing: a backend in wait event SyncRep has committed locally and waits
+        # for a standby's flush; the share of such samples is the share of the batches' server time spent waiting.
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
-            while not stop.wait(0.2):
+            while not stop.wait(0.1):
                 cur.execute("SELECT extract(epoch FROM flush_lag) FROM pg_stat_replication WHERE flush_lag IS NOT NULL")
                 self.flush_lag_s += [float(v) for (v,) in cur.fetchall()]
+                cur.execute(
+                    "SELECT count(*) FILTER (WHERE wait_event = 'SyncRep'), count(*) FROM pg_stat_activity"
+                    " WHERE application_name = %s AND state = 'active'",
+                    (RegistryOptions.application_name,),
+                )
+                syncrep, active = cur.fetchone()
+                self.backend_samples[0] += int(syncrep)
+                self.backend_samples[1] += int(active)
 
 
 def _wal_lsn(dsn: str) -> str:
@@ -365,6 +376,8 @@ def run_all(
         if rep.flush_lag_s:
             figures["replicated_flush_lag_ms_median"] = round(statistics.median(rep.flush_lag_s) * 1000, 1)
             figures["replicated_flush_lag_ms_max"] = round(max(rep.flush_lag_s) * 1000, 1)
+        if rep.backend_samples[1]:
+            figures["replicated_syncrep_wait_share"] = round(rep.backend_samples[0] / rep.backend_samples[1], 3)
 
     table = Table(title="IdRegistry write paths (durable)")
     table.add_column("path")
@@ -393,7 +406,12 @@ def run_all(
         )
     console.print(side_table)
     if len(sides) > 1:
-        console.print(f"replicated / single: {figures['replicated_vs_single']}")
+        console.print(
+            f"replicated / single: {figures['replicated_vs_single']}; standby flush lag median "
+            f"{figures.get('replicated_flush_lag_ms_median')} ms, max {figures.get('replicated_flush_lag_ms_max')} ms; "
+            f"share of active registry backends waiting for the standby (SyncRep): "
+            f"{figures.get('replicated_syncrep_wait_share')}"
+        )
     return figures
 
 
