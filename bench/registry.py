@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import psycopg2
 import pyarrow as pa
 from psycopg2 import sql
@@ -118,8 +119,8 @@ def bench_register(
 class Side:
     """One server under test in the side-by-side runs: its registry, an owner, and what each run measured."""
 
-    def __init__(self, name: str, dsn: str, owner_name: str):
-        self.name, self.dsn = name, dsn
+    def __init__(self, name: str, dsn: str, owner_name: str, cluster: LocalCluster | None = None):
+        self.name, self.dsn, self.cluster = name, dsn, cluster
         self.reg = IdRegistry({"main": dsn})
         self.owner = create_owner(dsn, owner_name)
         self.rates: list[float] = []
@@ -127,11 +128,14 @@ class Side:
         self.txn_seconds: list[float] = []  # one per shard transaction (COPY, commit and its wait for the standby)
         self.flush_lag_s: list[float] = []  # sampled from pg_stat_replication during the runs
         self.backend_samples = [0, 0]  # registry backends seen waiting for a standby (SyncRep), seen active
+        self.cpu_s: list[dict[str, float]] = []  # per run: CPU seconds of the primary's and the standbys' PostgreSQL
+        self.wall_s: list[float] = []
 
     def run(self, batches: list[EventKeys], first_seq: int, sample_lag: bool) -> float:
         total = sum(len(b) for b in batches)
         results = []
         start_lsn = _wal_lsn(self.dsn)
+        cpu0 = _node_cpu_s(self.cluster) if self.cluster else None
         stop = threading.Event()
         sampler = threading.Thread(target=self._sample_lag, args=(stop,), daemon=True) if sample_lag else None
 
@@ -151,6 +155,10 @@ class Side:
         if won != total:  # a benchmark that did not do the work measures nothing
             raise SystemExit(f"{self.name}: expected {total} ids won, got {won}")
         self.rates.append(total / seconds)
+        self.wall_s.append(seconds)
+        if self.cluster and cpu0 is not None:
+            cpu1 = _node_cpu_s(self.cluster)
+            self.cpu_s.append({role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1})
         self.wal_bytes.append(_wal_bytes_since(self.dsn, start_lsn))
         self.txn_seconds += [st.seconds for r in results for st in r.shards]
         return total / seconds
@@ -171,6 +179,21 @@ class Side:
                 syncrep, active = cur.fetchone()
                 self.backend_samples[0] += int(syncrep)
                 self.backend_samples[1] += int(active)
+
+
+def _node_cpu_s(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds used so far by each role's PostgreSQL processes (postmaster and children): 'primary' and
+    'standbys' (walreceiver, startup/replay, their writers and checkpointers)."""
+    out = {"primary": 0.0, "standbys": 0.0}
+    for node in cluster.status():
+        with contextlib.suppress(OSError, ValueError, IndexError, psutil.Error):
+            pid = int((cluster.folder / node.name / "data" / "postmaster.pid").read_text().splitlines()[0])
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    out["primary" if node.role == "leader" else "standbys"] += t.user + t.system
+    return out
 
 
 def _wal_lsn(dsn: str) -> str:
@@ -271,7 +294,9 @@ def main() -> None:
         if admin:
             admin = with_dbname(admin, "postgres")
         else:
-            embedded = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="photon-bench-")) / "pg", cleanup_mode="delete")
+            parent = Path(tempfile.mkdtemp(prefix="photon-bench-"))
+            stack.callback(shutil.rmtree, parent, ignore_errors=True)  # the server deletes only its own folder
+            embedded = EmbeddedPostgres(parent / "pg", cleanup_mode="delete")
             embedded.start()
             stack.callback(embedded.stop)
             admin = embedded.admin_dsn
@@ -306,7 +331,7 @@ def run_all(
     sides = [Side("single", dsn, "bench-side")]
     replicated_up_s = None
     if not args.no_replicated:
-        _cluster, cluster_dsn, replicated_up_s = stack.enter_context(replicated_server(dbname))
+        cluster, cluster_dsn, replicated_up_s = stack.enter_context(replicated_server(dbname))
         with autocommit(cluster_dsn) as conn, conn.cursor() as cur:
             cur.execute("SHOW synchronous_standby_names")
             names = cur.fetchone()[0]
@@ -317,7 +342,7 @@ def run_all(
             f"synchronous_commit={r_sync}, fsync={r_fsync}"
         )
         init_registry({"main": cluster_dsn}, num_shards=args.shards)
-        sides.append(Side("replicated", cluster_dsn, "bench-side"))
+        sides.append(Side("replicated", cluster_dsn, "bench-side", cluster))
     for side in sides:
         stack.callback(side.reg.close)
 
@@ -376,6 +401,12 @@ def run_all(
         if rep.flush_lag_s:
             figures["replicated_flush_lag_ms_median"] = round(statistics.median(rep.flush_lag_s) * 1000, 1)
             figures["replicated_flush_lag_ms_max"] = round(max(rep.flush_lag_s) * 1000, 1)
+        if rep.cpu_s:
+            # Cores' worth of CPU each role's PostgreSQL used while the batches ran (of 2 here, the client included).
+            for role in ("primary", "standbys"):
+                figures[f"replicated_{role}_cores"] = round(
+                    statistics.median(c[role] / w for c, w in zip(rep.cpu_s, rep.wall_s, strict=True)), 2
+                )
         if rep.backend_samples[1]:
             figures["replicated_syncrep_wait_share"] = round(rep.backend_samples[0] / rep.backend_samples[1], 3)
 
@@ -410,7 +441,8 @@ def run_all(
             f"replicated / single: {figures['replicated_vs_single']}; standby flush lag median "
             f"{figures.get('replicated_flush_lag_ms_median')} ms, max {figures.get('replicated_flush_lag_ms_max')} ms; "
             f"share of active registry backends waiting for the standby (SyncRep): "
-            f"{figures.get('replicated_syncrep_wait_share')}"
+            f"{figures.get('replicated_syncrep_wait_share')}; CPU in cores while the batches ran: primary "
+            f"{figures.get('replicated_primary_cores')}, both standbys {figures.get('replicated_standbys_cores')}"
         )
     return figures
 
