@@ -112,6 +112,8 @@ demo: setup
 airflow: setup
 	"$(PY)" -m photon airflow $(AIRFLOW_ARGS)
 
+# The registry's write paths on one server, then "batched new" side by side with a fresh three-node cluster in a
+# temporary folder (about 1-2 minutes; BENCH_ARGS="--no-replicated" skips the cluster, "--runs 3" fewer runs).
 bench-registry: setup
 	"$(PY)" -m bench.registry $(BENCH_ARGS)
 
