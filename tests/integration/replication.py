@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,14 +16,15 @@ from pathlib import Path
 import psycopg2
 
 from photon.pg import autocommit
+from photon.registry.cluster import _free_port, _run_as, bin_dir
 
-_SYSTEM_USER = "pgserver" if os.geteuid() == 0 else None
+# The cluster's own helpers: the same binaries, the same unprivileged user as root, a free port.
+_USER = _run_as()
+_SYSTEM_USER = _USER.pw_name if _USER is not None else None
 
 
 def _bin(name: str) -> str:
-    import pgserver._commands
-
-    return str(pgserver._commands.POSTGRES_BIN_PATH / name)
+    return str(bin_dir() / name)
 
 
 def _run(*args: str, timeout: float = 60) -> None:
@@ -35,23 +35,15 @@ def _run(*args: str, timeout: float = 60) -> None:
         raise RuntimeError(f"{' '.join(args)} failed: {result.stderr.decode(errors='replace')[-2000:]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _prepare(folder: Path) -> None:
     """A folder the server's user owns, under parents it can traverse (pytest's temp folders are 0700)."""
     import pgserver.utils
 
     folder.mkdir(parents=True, exist_ok=True)
     if _SYSTEM_USER is not None:
-        import pwd
-
+        assert _USER is not None
         pgserver.utils.ensure_prefix_permissions(folder)
-        entry = pwd.getpwnam(_SYSTEM_USER)
-        os.chown(folder, entry.pw_uid, entry.pw_gid)
+        os.chown(folder, _USER.pw_uid, _USER.pw_gid)
     folder.chmod(0o700)
 
 

@@ -83,11 +83,20 @@ class Proxy:
             buf += chunk
         return buf
 
+    def _answers(self, startup: bytes) -> bool:
+        """Whether a connection with this startup message is served at all."""
+        return not (self.blackhole.is_set() and b"photon-standby" in startup)
+
+    def _before_forward(self, header: bytes, body: bytes) -> None:
+        """Called with each message from the client before it goes to the server (a subclass may hold it)."""
+        if header[:1] == b"Q" and b"standby" in body and self.freeze.is_set():
+            self.thaw.wait()
+
     def _handle(self, client: socket.socket) -> None:
         try:
             head = self._read(client, 4)
             startup = head + self._read(client, struct.unpack("!I", head)[0] - 4)
-            if self.blackhole.is_set() and b"photon-standby" in startup:
+            if not self._answers(startup):
                 return  # accepted, never answered (the socket stays open in self.socks)
             server = self._connect_upstream()
             self.socks.append(server)
@@ -96,8 +105,7 @@ class Proxy:
             while True:
                 header = self._read(client, 5)
                 body = self._read(client, struct.unpack("!I", header[1:])[0] - 4)
-                if header[:1] == b"Q" and b"standby" in body and self.freeze.is_set():
-                    self.thaw.wait()
+                self._before_forward(header, body)
                 server.sendall(header + body)
         except (EOFError, OSError):
             pass

@@ -17,11 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -213,22 +210,9 @@ class SlowClockProxy(Proxy):
 
     delay_s = 1.5
 
-    def _handle(self, client: socket.socket) -> None:
-        try:
-            head = self._read(client, 4)
-            startup = head + self._read(client, struct.unpack("!I", head)[0] - 4)
-            server = self._connect_upstream()
-            self.socks.append(server)
-            server.sendall(startup)
-            threading.Thread(target=self._copy, args=(server, client), daemon=True).start()
-            while True:
-                header = self._read(client, 5)
-                body = self._read(client, struct.unpack("!I", header[1:])[0] - 4)
-                if header[:1] == b"Q" and b"clock_timestamp" in body:
-                    time.sleep(self.delay_s)
-                server.sendall(header + body)
-        except (EOFError, OSError):
-            pass
+    def _before_forward(self, header: bytes, body: bytes) -> None:
+        if header[:1] == b"Q" and b"clock_timestamp" in body:
+            time.sleep(self.delay_s)
 
 
 def test_a_clock_read_over_a_slow_round_trip_is_refused_not_trusted(
