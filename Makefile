@@ -151,6 +151,8 @@ bench-handover-airflow: setup
 
 # The nemesis: live logs, seeded random faults (joiner SIGKILLs, the registry stopped hard, verify beside the joiners,
 # a replica outage, a data center lost for good), then a checker that reads files only. Last line: JSON.
+# CHAOS_ARGS="--registry cluster": the registry on the local three-node Patroni cluster instead, its primary lost
+# (SIGKILL, a standby promoted) and the old one rejoining where the single server would be stopped hard.
 SEED ?= 1
 SECONDS ?= 300
 chaos: setup

@@ -1,4 +1,4 @@
-"""photon_data_quality: a Great Expectations checkpoint per interval over every pipeline's output."""
+"""photon_data_quality: a Great Expectations checkpoint over every pipeline's output, per hour declared final."""
 
 from photon.airflow.dags import data_quality_dag
 

@@ -129,7 +129,10 @@ SLOW_FIRST = (
     "tests/integration/test_verify.py::test_killed_joiner_losses",  # 282 s
     "tests/unit/test_parse_properties.py::test_mutated_events",  # 162 s
     "tests/integration/test_nemesis.py",  # 161 s
+    # 110-140 s, and its module's three-node cluster 20-30 s to start
+    "tests/integration/test_failover_load.py::test_both_joiners_carry_on_across_a_lost_primary",
     "tests/integration/test_handover.py::test_standby_leases_hand_over_on_release",  # 111 s
+    "tests/integration/test_quiet_output.py",  # 43-111 s and 58-95 s (a join task through spark-submit; a join)
     "tests/integration/test_airflow.py::test_join_dag_runs_a_lease",  # 104 s
     "tests/integration/test_airflow.py::test_backfill_over_two_intervals",  # 97 s
     "tests/integration/test_verify_safety.py::test_the_surviving_data_center",  # 73 s, 49 s
@@ -137,6 +140,10 @@ SLOW_FIRST = (
     "tests/integration/test_audit.py::test_logs_mode",  # 77 s with its fixture
     "tests/unit/test_parse_properties.py::test_random_bytes",  # 48 s
     "tests/integration/test_airflow.py",  # 46 s, 45 s, ...
+    "tests/integration/test_completeness.py",  # 18-50 s
+    "tests/integration/test_acknowledged_replicated_paths.py",  # five server pairs, 3-10 s each
+    "tests/integration/test_acknowledged_replicated.py",  # four server pairs, 6-8 s each
+    "tests/integration/test_start.py",  # 15-73 s
     "tests/integration/test_airflow_local.py",  # 43 s, 32 s
     "tests/integration/test_durability.py",
     "tests/unit/test_parse_properties.py",

@@ -1,7 +1,11 @@
--- The IdRegistry's database and owner beside Airflow's metadata database (run once, on an empty volume, as the
--- superuser). The owner `photon` runs only the migrations (airflow-init); every component runs as its own login.
+-- The IdRegistry's database and owner on the registry's Patroni cluster (run once, as the superuser, by Patroni's
+-- post_bootstrap on the first primary: patroni/post-bootstrap.sh). The owner `photon` runs only the migrations
+-- (airflow-init); every component runs as its own login.
 CREATE ROLE photon LOGIN PASSWORD 'photon';
 CREATE DATABASE photon OWNER photon;
+-- The replication guard's function (sql/0011) runs as the owner who creates it, and only pg_monitor's holders see
+-- which standbys are in sync: without it the guard would refuse every component.
+GRANT pg_monitor TO photon;
 
 -- The components' NOLOGIN roles that the migrations grant to (sql/0001_registry.sql, sql/0006_reshard_role.sql).
 -- The migrations create them only where missing, and the owner may not create roles: the superuser does it here.
@@ -17,7 +21,6 @@ CREATE ROLE photon_verifier_login LOGIN PASSWORD 'photon-verifier' IN ROLE photo
 CREATE ROLE photon_gc_login LOGIN PASSWORD 'photon-gc' IN ROLE photon_gc;
 CREATE ROLE photon_reshard_login LOGIN PASSWORD 'photon-reshard' IN ROLE photon_reshard;
 
--- Only the registry's roles reach the registry's database, and only Airflow reaches its metadata.
+-- Only the registry's roles reach the registry's database (Airflow's metadata is on a server of its own).
 REVOKE CONNECT ON DATABASE photon FROM PUBLIC;
 GRANT CONNECT ON DATABASE photon TO photon_joiner, photon_verifier, photon_gc, photon_reshard;
-REVOKE CONNECT ON DATABASE airflow FROM PUBLIC;

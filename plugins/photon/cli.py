@@ -15,7 +15,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from photon.settings import Settings, load_settings
-from photon.tools.status import ago, when
+from photon.tools.status import ago, lag_lines, when
 
 app = typer.Typer(help="Photon: exactly-once joins of clicks to queries across data centers.", no_args_is_help=True)
 registry_app = typer.Typer(help="The IdRegistry: init, status, gc, reshard.", no_args_is_help=True)
@@ -24,7 +24,10 @@ cluster_app = typer.Typer(
     help="A local three-node registry cluster (Patroni + etcd) for tests, benchmarks and a demo.", no_args_is_help=True
 )
 registry_app.add_typer(cluster_app, name="cluster")
-console = Console()
+# Soft wrap: a message longer than the terminal is still one line (the terminal folds it on screen). Without it, rich
+# breaks lines at the width, 80 columns when output is not a terminal: each batch line of a join task came out as two
+# Airflow log records, and so did the demo's.
+console = Console(soft_wrap=True)
 
 
 def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
@@ -36,11 +39,27 @@ def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
 
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
-    )
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        handler = RichHandler(console=Console(stderr=True), show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:  # a pipe or a file (an Airflow task log): one plain line per record, never wrapped
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever ``sys.stderr`` is when a record comes, as rich's stderr console is: a test runner
+    that swaps it for a buffer and closes that buffer leaves no handler writing to a closed file."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
 
 
 @registry_app.command("init")
@@ -250,6 +269,12 @@ def registry_reshard_resume(
     raise typer.Exit(0 if state == "active" else 1)
 
 
+def _when_us(us: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(us / 1_000_000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _parse_time(text: str) -> int:
     """Epoch microseconds from an ISO-8601 time (UTC if no zone) or epoch seconds."""
     from datetime import UTC, datetime
@@ -396,6 +421,14 @@ def join_cmd(
         str | None, typer.Option(help="Backfill: only files whose first event is at or after this ISO time (UTC).")
     ] = None,
     window_end: Annotated[str | None, typer.Option(help="Backfill: ... and before this ISO time (UTC).")] = None,
+    start: Annotated[
+        str,
+        typer.Option(
+            help="Where a NEW live pipeline starts reading: 'beginning' (every file in the logs), 'now' (the registry "
+            "server's clock) or an ISO time (UTC). Click files before it are history, for backfills. Recorded when "
+            "the pipeline is created; an existing pipeline keeps its own."
+        ),
+    ] = "beginning",
     standby: Annotated[
         bool,
         typer.Option(
@@ -418,7 +451,7 @@ def join_cmd(
     ] = 120.0,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
-    from photon.joiner.common import JoinSettings
+    from photon.joiner.common import BEGINNING, NOW, JoinSettings
     from photon.joiner.lease import Joiner
     from photon.joiner.state import PipelineState
     from photon.registry.client import read_layout
@@ -430,8 +463,11 @@ def join_cmd(
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
 
+    if start != BEGINNING and (window_start or window_end):
+        raise ValueError("--start is a live pipeline's; a backfill's --window-start/--window-end is its range")
     config = load_settings()
     settings = JoinSettings(
+        start=BEGINNING if start == BEGINNING else NOW if start == NOW else _parse_time(start),
         max_clock_skew_s=config.max_clock_skew_s,
         max_future_s=config.max_future_s,
         max_join_delay_s=max_join_delay,
@@ -461,7 +497,10 @@ def join_cmd(
             why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
             console.print(f"{dc}: took over ({why})")
     lease = joiner.lease or joiner.start()
-    console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch}")
+    origin = "the beginning of the logs" if lease.start_us is None else _when_us(lease.start_us)
+    if settings.window_start_us is not None:
+        origin = "its window"
+    console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch} (reading from {origin})")
 
     def report(r: Any) -> None:
         m = r.metrics
@@ -522,10 +561,14 @@ def status_cmd(
     logs: Annotated[Path | None, typer.Option(help="Input logs, for the lag (default: $PHOTON_HOME/logs).")] = None,
     out: Annotated[Path | None, typer.Option(help="Output, for the retry sets (default: $PHOTON_HOME/out).")] = None,
     window: Annotated[float, typer.Option(help="Seconds of recent batches for latency and shares.")] = 300.0,
+    wide: Annotated[bool, typer.Option("--wide", help="One table row per pipeline (for 150 columns or more).")] = (
+        False
+    ),
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Per pipeline: last batch and when, lease holder and heartbeat, lag (oldest unconsumed closed file), retries
-    waiting, and over the recent window click latency, joins and the wasted share."""
+    """Per pipeline: its state (running, idle, finished, stalled), last batch and when, lease holder and heartbeat,
+    lag (oldest unconsumed closed file), retries waiting, and over the recent window click latency, joins and the
+    wasted share. One block per pipeline, readable at 80 columns; --wide for a table."""
     from photon.tools.status import pipeline_status
 
     home = load_settings().home
@@ -540,36 +583,148 @@ def status_cmd(
     if not records:
         console.print("no pipeline has started yet")
         return
+    if wide:
+        console.print(_status_table(records, window))
+        return
+    console.print(f"pipelines (recent = last {window:.0f} s)")
+    for r in records:
+        console.print()
+        console.print(_status_block(r))
+
+
+STATE_STYLE = {"running": "green", "idle": "yellow", "finished": "cyan", "stalled": "bold red"}
+
+
+def _lag_text(r: dict[str, Any]) -> str:
+    if r["kind"] == "backfill":
+        return "- (a backfill joins one window of the logs)"
+    first, *more = lag_lines(r)
+    return first + "".join(f"\n[{'red' if 'history' in line else 'dim'}]{line}[/]" for line in more)
+
+
+def _lease_text(r: dict[str, Any]) -> str:
+    if r["lease_holder"] is None:
+        return f"released (epoch {r['epoch']})"
+    beat = ago(r["heartbeat_age_s"])
+    if r["state"] == "stalled":
+        return f"{r['lease_holder']} (epoch {r['epoch']}), [red]last heartbeat {beat}[/]"
+    return f"{r['lease_holder']} (epoch {r['epoch']}), heartbeat {beat}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.2f} s" if abs(s) < 100 else f"{s:,.0f} s"
+
+
+def _recent_text(r: dict[str, Any]) -> str:
+    rec = r["recent"]
+    text = f"{rec['batches']:,} batch{'' if rec['batches'] == 1 else 'es'}, {rec['joined']:,} joined"
+    if rec["latency_p50_s"] is not None:
+        text += f"; latency p50 {_seconds(rec['latency_p50_s'])}, p99 {_seconds(rec['latency_p99_s'])}"
+    if rec["wasted_share"] is not None:
+        text += f"; wasted {rec['wasted_share']:.1%} of clicks"
+    if rec["handover_gaps_s"]:
+        text += f"; hand-over gaps {', '.join(f'{g:.1f}' for g in rec['handover_gaps_s'])} s"
+    return text
+
+
+def _status_block(r: dict[str, Any]) -> Any:
+    """One pipeline as a heading (its name whole, whatever the width) and label/value lines that wrap."""
+    from rich.console import Group
+    from rich.text import Text
+
+    state = r["state"]
+    heading = Text.assemble(
+        (r["pipeline"], "bold"),
+        f"  {r['kind']}, {r['dc']}, ",
+        (state, STATE_STYLE.get(state, "")),
+    )
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="dim", justify="right", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("last batch", f"{r['last_batch']:,}, {ago(r['last_batch_age_s'])}")
+    grid.add_row("lease", _lease_text(r))
+    if r["kind"] == "live":
+        grid.add_row("lag", _lag_text(r))
+    retries = r["retries"]
+    grid.add_row("retries", "?" if retries is None else f"{retries['waiting']:,} waiting, {retries['due']:,} due")
+    grid.add_row("recent", _recent_text(r))
+    return Group(heading, grid)
+
+
+def _status_table(records: list[dict[str, Any]], window: float) -> Table:
+    from rich.text import Text
+
     table = Table(title=f"pipelines (recent = last {window:.0f} s)")
-    for col in ("pipeline", "last batch", "lease, heartbeat", "lag", "retries", "recent latency p50/p99", "recent"):
+    table.add_column("pipeline", no_wrap=True)  # whole, whatever the width: the other columns give way
+    for col in ("state", "last batch", "lease, heartbeat", "lag", "retries", "recent"):
         table.add_column(col)
     for r in records:
-        lag = r["lag"]
-        if lag is None:
-            lag_text = "? (no logs folder)"
-        else:
-            waits = [(v["waiting_s"], k) for k, v in lag.items() if v is not None]
-            lag_text = "caught up" if not waits else f"{max(waits)[1]}: oldest waiting {max(waits)[0]:,.0f} s"
-        rec = r["recent"]
         retries = r["retries"]
         table.add_row(
             f"{r['pipeline']}\n[dim]{r['kind']}, {r['dc']}[/]",
+            Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
             f"{r['last_batch']:,}\n[dim]{ago(r['last_batch_age_s'])}[/]",
-            f"{r['lease_holder'] or '-'} (epoch {r['epoch']})\n[dim]heartbeat {ago(r['heartbeat_age_s'])}[/]",
-            lag_text,
+            _lease_text(r),
+            _lag_text(r),
             "?" if retries is None else f"{retries['waiting']:,} waiting\n[dim]{retries['due']:,} due[/]",
-            "-" if rec["latency_p50_s"] is None else f"{rec['latency_p50_s']:.2f} s / {rec['latency_p99_s']:.2f} s",
-            f"{rec['batches']:,} batches, {rec['joined']:,} joined\n[dim]wasted "
-            + ("-" if rec["wasted_share"] is None else f"{rec['wasted_share']:.1%}")
-            + " of clicks"
-            + (
-                f"; hand-over gaps {', '.join(f'{g:.1f}' for g in rec['handover_gaps_s'])} s"
-                if rec["handover_gaps_s"]
-                else ""
-            )
-            + "[/]",
+            _recent_text(r),
         )
-    console.print(table)
+    return table
+
+
+@app.command("final")
+def final_cmd(
+    hour: Annotated[str | None, typer.Option(help="The UTC hour, e.g. 2026-11-24T13.")] = None,
+    start: Annotated[str | None, typer.Option(help="Or an interval's start (ISO time, UTC if no zone)...")] = None,
+    end: Annotated[str | None, typer.Option(help="...and its end (exclusive).")] = None,
+    logs: Annotated[Path | None, typer.Option(help="Input logs (default: $PHOTON_HOME/logs).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output (default: $PHOTON_HOME/out).")] = None,
+    max_join_delay: Annotated[float, typer.Option(help="The joiners' maximum join delay, seconds.")] = 120.0,
+    lost_after: Annotated[
+        float, typer.Option(help="Seconds without a heartbeat from any of its pipelines before a data center is lost.")
+    ] = 600.0,
+    recheck: Annotated[bool, typer.Option("--recheck", help="Decide again even where a marker says final.")] = False,
+    mark: Annotated[bool, typer.Option("--mark", help="Write the marker if final (as photon_finality does).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Is the hour (or interval) final: every click of its input decided, its output no longer changing? Says why
+    not. Exit status 0 if final, 1 if not. A marker <out>/_final/<YYYYmmddHH>.json, once written, is the answer."""
+    from photon.tools.completeness import (
+        FinalitySettings,
+        decide_final,
+        hour_interval,
+        read_marker,
+        summary,
+        write_marker,
+    )
+
+    if (hour is None) == (start is None and end is None) or (start is None) != (end is None):
+        raise ValueError("give --hour, or --start and --end")
+    start_us, end_us = hour_interval(hour) if hour is not None else (_parse_time(start or ""), _parse_time(end or ""))
+    settings = load_settings()
+    logs = _folder(logs, "--logs") if logs is not None else settings.home / "logs"
+    out = _folder(out, "--out") if out is not None else settings.home / "out"
+    marker = None if recheck else read_marker(out, start_us, end_us)
+    if marker is None:
+        decision = decide_final(
+            servers_from_settings(settings),
+            logs,
+            out,
+            start_us,
+            end_us,
+            FinalitySettings(max_join_delay, settings.max_clock_skew_s, lost_after),
+        )
+        marker = decision.to_dict()
+        if decision.final and mark:
+            path, marker = write_marker(out, decision)
+            marker["marker"] = str(path)
+    if as_json:
+        typer.echo(json.dumps(marker, indent=2, sort_keys=True))
+    else:
+        typer.echo(summary(marker))
+        for reason in marker["reasons"][1:]:
+            typer.echo(f"  and: {reason}")
+    raise typer.Exit(0 if marker["final"] else 1)
 
 
 def _folder(path: Path, option: str) -> Path:
@@ -607,7 +762,8 @@ def report_cmd(
             + (f", gaps max {max(gaps):.1f} s, median {sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "")
         )
     for path in result.written:
-        console.print(f"wrote {path}")
+        note = result.notes.get(path.name)
+        console.print(f"wrote {path}" + (f" ({note})" if note else ""))
     for name, why in result.skipped.items():
         console.print(f"[dim]not drawn: {name}: {why}[/]")
 
@@ -645,6 +801,24 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+# Every argument goes to airflow as it is, --help included (`photon --help` describes this command).
+@app.command(
+    "airflow-cli",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+)
+def airflow_cli_cmd(
+    args: Annotated[list[str] | None, typer.Argument(help="The airflow command's arguments.")] = None,
+) -> None:
+    """Any `airflow` command, against the Airflow that `photon airflow` runs (its AIRFLOW_HOME, the venv's airflow)."""
+    from photon.airflow.standalone import airflow_cli
+
+    try:
+        status = airflow_cli(args or [])
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc  # one line and exit status 2 (main)
+    raise typer.Exit(status)
+
+
 @app.command("airflow")
 def airflow_cmd(
     port: Annotated[int, typer.Option(help="The UI and API's port.")] = 8080,
@@ -657,12 +831,38 @@ def airflow_cmd(
     metadata_db: Annotated[str, typer.Option(help="Airflow's metadata database, on the registry's server.")] = (
         "airflow"
     ),
+    access_log: Annotated[
+        bool,
+        typer.Option(
+            "--access-log",
+            envvar="PHOTON_AIRFLOW_ACCESS_LOG",
+            help="Show the API server's HTTP access log (a line per request: UI polls, task heartbeats).",
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            envvar="PHOTON_AIRFLOW_VERBOSE",
+            help="Airflow's own log levels: the access log, DAG-parse bookkeeping, statistics every 30 s.",
+        ),
+    ] = False,
 ) -> None:
     """Airflow with the project's DAGs on this machine: metadata on PostgreSQL (the embedded server, or the one
-    PHOTON_REGISTRY_DSN names), the LocalExecutor, the UI on 127.0.0.1. SIGINT or SIGTERM stops every process."""
+    PHOTON_REGISTRY_DSN names), the LocalExecutor, the UI on 127.0.0.1. SIGINT or SIGTERM stops every process.
+    The console is quiet (no access log, no DAG-parse bookkeeping); the ready line comes once the start-up is out."""
     from photon.airflow.standalone import serve
 
-    raise typer.Exit(serve(host=host, port=port, parallelism=parallelism, metadata_db=metadata_db))
+    raise typer.Exit(
+        serve(
+            host=host,
+            port=port,
+            parallelism=parallelism,
+            metadata_db=metadata_db,
+            access_log=access_log,
+            verbose=verbose,
+        )
+    )
 
 
 def main() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ import psycopg2
 import psycopg2.errorcodes
 import psycopg2.extensions
 from psycopg2 import sql
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_random_exponential
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +33,23 @@ class RegistryUnavailableError(RuntimeError):
     """A registry server could not be reached (after retries)."""
 
 
+class RegistryDsnError(ValueError):
+    """A registry DSN that no retry can make work: a host name that does not exist, a login the server refuses
+    (password, pg_hba.conf, a role that does not exist or may not log in), a database that does not exist, a DSN
+    libpq cannot parse. Not retried, unlike RegistryUnavailableError: a setting is wrong, not a server away (a
+    ValueError, so the command line shows it as one line)."""
+
+
 class UnsafeReplicationError(RuntimeError):
     """A registry server would acknowledge a commit that no standby holds, and the deployment did not say it accepts
     a single server (PHOTON_REGISTRY_REPLICATION). Not retried: a setting is wrong, not a server away."""
+
+
+class StandbyNotInSyncError(UnsafeReplicationError, RegistryUnavailableError):
+    """The server names synchronous standbys but none streams in sync or quorum state: its commits would wait, never
+    be acknowledged alone. Right after a failover this is the new primary until a standby has reconnected to it (a
+    second or so), so writers retry it as they retry a server away, for the failover budget; a standby that never
+    comes is then refused with the guard's one line."""
 
 
 def is_serialization_error(exc: BaseException) -> bool:
@@ -58,6 +74,47 @@ def is_transient(exc: BaseException) -> bool:
     return is_serialization_error(exc) or is_connection_error(exc)
 
 
+# Why a connection failed for good, from libpq's message (a failed connection carries no SQLSTATE). libpq and the
+# server speak English unless built or configured for another language; a message not recognised here is retried,
+# as every failure was before. libpq gives up on a multi-host DSN's remaining hosts once a server refuses the login
+# or the database (its documentation: "if authentication fails, the remaining hosts are not tried"), so one such
+# refusal decides; a host name that does not resolve decides only when every host of the list failed so (libpq
+# tried the next one, and a host that is down or not yet promoted is what a failover looks like).
+_REFUSED_LOGIN = re.compile(
+    r"(?:FATAL:\s+)?((?:\S+ )?authentication failed for user \"[^\"]*\""
+    r"|no pg_hba\.conf entry for [^\n]*|pg_hba\.conf rejects connection for [^\n]*"
+    r"|role \"[^\"]*\" does not exist|role \"[^\"]*\" is not permitted to log in"
+    r"|database \"[^\"]*\" does not exist|permission denied for database \"[^\"]*\""
+    r"|fe_sendauth: no password supplied)"
+)
+# getaddrinfo's EAI_NONAME and EAI_NODATA (glibc, musl, BSD wording); EAI_AGAIN ("Temporary failure in name
+# resolution": no DNS server answered) is a network away, retried.
+_UNKNOWN_HOST = re.compile(
+    r'could not translate host name "([^"]*)" to address: (Name or service not known|No address associated with '
+    r"hostname|Name does not resolve|nodename nor servname provided, or not known)"
+)
+_ATTEMPT = re.compile(r"^(?:connection to server |could not translate host name )", re.MULTILINE)
+# Options libpq checks before it connects anywhere: a value it does not know, hosts and ports that do not pair up.
+_BAD_OPTION = re.compile(r"^(invalid [^\n]*(?:value|option)[^\n]*|could not match \d+ [^\n]*)")
+
+
+def wrong_dsn_reason(message: str) -> str | None:
+    """The reason a failed connection will fail again however long it is retried (one clause, from libpq's message
+    ``message``), or None when the server may be down, starting, in recovery, a standby, or mid-failover."""
+    refused = _REFUSED_LOGIN.search(message)
+    if refused is not None:
+        return refused.group(1)
+    starts = [m.start() for m in _ATTEMPT.finditer(message)]
+    attempts = [message[a:b] for a, b in itertools.pairwise([*starts, len(message)])]  # one per host tried
+    unknown = [_UNKNOWN_HOST.match(a) for a in attempts]
+    if unknown and all(unknown):
+        names = ", ".join(dict.fromkeys(m.group(1) for m in unknown if m is not None))
+        why = ", ".join(dict.fromkeys(m.group(2) for m in unknown if m is not None))
+        return f"unknown host name {names} ({why})"
+    option = _BAD_OPTION.match(message.strip())
+    return option.group(1) if option is not None else None
+
+
 T = TypeVar("T")
 FAILOVER_ENV = "PHOTON_REGISTRY_FAILOVER_S"  # photon/settings.py: registry_failover_s
 
@@ -72,10 +129,20 @@ def across_failover(fn: Callable[[], T], *, budget_s: float | None = None) -> T:
     """Run ``fn`` (one whole transaction on its own connection) again while its server is lost or unreachable, for
     up to ``budget_s`` (default failover_s()): a multi-host DSN then finds the new primary. ``fn`` must be safe to
     run twice: a COMMIT whose answer was lost may have committed (each caller says why it is)."""
+    budget = failover_s() if budget_s is None else budget_s
+    lost_at: list[float] = []
+
+    def stop(state: RetryCallState) -> bool:
+        # From the first failure, not the first try (tenacity's stop_after_delay): a pass that loses its server
+        # after minutes of work (a verifier's) gets the whole budget to find the new primary too.
+        lost_at.append(time.monotonic())
+        return lost_at[-1] - lost_at[0] >= budget
+
     retrying = Retrying(
+        # A wrong DSN (RegistryDsnError) is neither: connect() tells it apart, and it fails at once.
         retry=retry_if_exception(lambda e: is_connection_error(e) or isinstance(e, RegistryUnavailableError)),
         wait=wait_random_exponential(multiplier=0.05, max=1.0),
-        stop=stop_after_delay(failover_s() if budget_s is None else budget_s),
+        stop=stop,
         reraise=True,
     )
     for attempt in retrying:
@@ -110,6 +177,8 @@ def redact(dsn: str) -> str:
 # read here from the environment because the foundation modules import nothing of photon) turns it off for a single
 # server. Checked when a connection is made (every component connects through connect(), a lost connection is
 # re-made through it) and again, at most every GUARD_RECHECK_S, on the connections a client keeps (check_replication).
+# Standbys named but none in sync is a failover's moment as well as a standby gone: writers retry it for the failover
+# budget (StandbyNotInSyncError is a RegistryUnavailableError too) before they give up with the same line.
 REPLICATION_ENV = "PHOTON_REGISTRY_REPLICATION"
 REPLICATION_MODES = ("required", "single")
 GUARD_RECHECK_S = 5.0
@@ -129,10 +198,76 @@ def replication_mode() -> str:
     return mode
 
 
+class CommitNotReplicatedError(psycopg2.OperationalError):
+    """A COMMIT (or a statement in autocommit mode) came back with a warning that its wait for a standby was
+    cancelled: committed on the primary, perhaps on no standby, so a failover may forget it. An unknown outcome,
+    handled as a COMMIT whose answer was lost (no SQLSTATE: every retry policy here takes it for a lost connection,
+    so the whole transaction runs again, re-reads, and rests its answer on a replicated commit: sync_barrier)."""
+
+
+# PostgreSQL's syncrep.c: "canceling wait for synchronous replication due to user request" + "The transaction has
+# already committed locally, but might not have been replicated to the standby." (English server messages:
+# lc_messages = C on the registry's servers, as the local cluster and the compose file set it).
+_UNREPLICATED_MARKERS = ("synchronous replication", "might not have been replicated")
+
+
+def _unreplicated(notices: list[str], *, any_notice: bool) -> str | None:
+    for notice in notices:
+        if any_notice or notice.startswith("WARNING:") or any(m in notice for m in _UNREPLICATED_MARKERS):
+            return notice.strip().replace("\n", " ")
+    return None
+
+
+class GuardedCursor(psycopg2.extensions.cursor):
+    """In autocommit mode each statement is its own COMMIT: a warning that its wait for a standby was cancelled
+    makes it an unknown outcome (CommitNotReplicatedError), as GuardedConnection.commit does."""
+
+    def execute(self, query: Any, vars: Any = None) -> None:
+        conn = self.connection
+        if not conn.autocommit:
+            super().execute(query, vars)
+            return
+        del conn.notices[:]
+        super().execute(query, vars)
+        warning = _unreplicated(conn.notices, any_notice=False)
+        if warning is not None:
+            raise CommitNotReplicatedError(f"statement committed on the primary only: {warning}")
+
+
 class GuardedConnection(psycopg2.extensions.connection):
-    """A connection that remembers when its server last passed the replication guard (the per-connection cache)."""
+    """A connection that remembers when its server last passed the replication guard (the per-connection cache),
+    and that refuses to call a commit acknowledged when the server says no standby may hold it."""
 
     guard_checked_at: float | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = GuardedCursor
+
+    def commit(self) -> None:
+        # The registry's own transactions emit nothing at COMMIT (no deferred triggers, no ON COMMIT notices), so
+        # any notice there is taken as the cancelled wait for a standby, whatever language the server speaks.
+        del self.notices[:]
+        super().commit()
+        warning = _unreplicated(self.notices, any_notice=True)
+        if warning is not None:
+            raise CommitNotReplicatedError(f"COMMIT acknowledged by the primary only: {warning}")
+
+
+# A transaction that decides on rows other transactions wrote (an id found registered, a batch found committed) and
+# writes nothing itself commits without waiting for a standby, so its answer could rest on a row a cancelled wait
+# left visible on the primary alone. A WAL record of its own makes its COMMIT wait until a standby holds the WAL up
+# to it, and so every commit it saw (a commit record precedes its visibility). On a server without synchronous
+# standbys it writes nothing: there is no standby to wait for.
+_SYNC_BARRIER = (
+    "SELECT CASE WHEN current_setting('synchronous_standby_names') <> ''"
+    " THEN pg_logical_emit_message(true, 'photon', 'sync barrier') END"
+)
+
+
+def sync_barrier(cur: Any) -> None:
+    """Make the open transaction's COMMIT wait for a synchronous standby (see _SYNC_BARRIER)."""
+    cur.execute(_SYNC_BARRIER)
 
 
 _GUARD_SETTINGS = (
@@ -145,8 +280,9 @@ _GUARD_STANDBYS_FN = "SELECT application_name, state, sync_state FROM photon.rep
 _GUARD_STANDBYS = "SELECT application_name, state, sync_state FROM pg_stat_replication"
 
 
-def _replication_problem(conn: Any) -> str | None:
-    """Why this server could acknowledge a commit no standby holds (one clause), or None if it cannot."""
+def _replication_problem(conn: Any) -> tuple[str, type[UnsafeReplicationError]] | None:
+    """Why this server could acknowledge a commit no standby holds (one clause) and the error to raise, or None if
+    it cannot."""
     with conn.cursor() as cur:
         cur.execute(_GUARD_SETTINGS)
         commit, names, in_recovery, have_fn, read_stats, user = cur.fetchone()
@@ -155,13 +291,15 @@ def _replication_problem(conn: Any) -> str | None:
         if commit not in _SAFE_COMMIT:
             return (
                 f"synchronous_commit = '{commit}' acknowledges a commit before a standby holds it: set it to 'on' "
-                "(server, database and role settings)"
+                "(server, database and role settings)",
+                UnsafeReplicationError,
             )
         if not names.strip():
             return (
                 "synchronous_standby_names is empty, so commits are acknowledged with no standby holding them "
                 "(asynchronous replication or a lone server): configure synchronous replication (Patroni: "
-                "synchronous_mode: quorum)"
+                "synchronous_mode: quorum)",
+                UnsafeReplicationError,
             )
         if have_fn:
             cur.execute(_GUARD_STANDBYS_FN)
@@ -170,7 +308,8 @@ def _replication_problem(conn: Any) -> str | None:
         else:
             return (
                 f"role {user} cannot see which standbys are in sync (pg_stat_replication): run "
-                "`photon registry init` as the admin (it creates photon.replication_standbys())"
+                "`photon registry init` as the admin (it creates photon.replication_standbys())",
+                UnsafeReplicationError,
             )
         standbys = cur.fetchall()
     if any(state == "streaming" and sync in ("sync", "quorum") for _, state, sync in standbys):
@@ -178,7 +317,8 @@ def _replication_problem(conn: Any) -> str | None:
     seen = ", ".join(f"{app} {state}/{sync}" for app, state, sync in standbys) or "none connected"
     return (
         f"synchronous_standby_names = '{names}' but no standby streams in sync or quorum state ({seen}): start or "
-        "reconnect a synchronous standby"
+        "reconnect a synchronous standby",
+        StandbyNotInSyncError,
     )
 
 
@@ -198,7 +338,8 @@ def check_replication(conn: Any, dsn: str, *, max_age_s: float | None = None) ->
         if was_idle and not conn.autocommit:
             conn.rollback()
     if problem is not None:
-        raise UnsafeReplicationError(f"registry server {redact(dsn)} refused: {problem}, {_WAY_OUT}")
+        why, error = problem
+        raise error(f"registry server {redact(dsn)} refused: {why}, {_WAY_OUT}")
     if isinstance(conn, GuardedConnection):
         conn.guard_checked_at = time.monotonic()
 
@@ -215,12 +356,14 @@ def connect(
     calls that must never hold up their caller (a standby's announcement, a lease asking for its successor).
     ``guard``: refuse a server that would acknowledge a commit no standby holds (check_replication); off only for
     the admin's own work (databases, migrations) and read-only diagnostics."""
-    extra = {}
-    if statement_timeout_ms is not None:  # added to the DSN's own options, which a keyword would replace
-        own = psycopg2.extensions.parse_dsn(dsn).get("options", "")
-        timeouts = f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}"
-        extra["options"] = f"{own} {timeouts}".strip()
     try:
+        # Added to the DSN's own options, which a keyword would replace. client_min_messages: the warning of a
+        # cancelled wait for a standby is the only sign of it (GuardedConnection), and a role, database or server
+        # setting quieter than WARNING would keep it from us; a startup option outranks them all.
+        options = [psycopg2.extensions.parse_dsn(dsn).get("options", ""), "-c client_min_messages=warning"]
+        if statement_timeout_ms is not None:
+            options.append(f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={statement_timeout_ms}")
+        extra = {"options": " ".join(o for o in options if o)}
         conn = psycopg2.connect(
             dsn,
             application_name=application_name,
@@ -228,7 +371,12 @@ def connect(
             connection_factory=GuardedConnection,
             **extra,
         )
+    except psycopg2.ProgrammingError as exc:  # "invalid dsn": libpq cannot parse it (its message may quote it all)
+        raise RegistryDsnError(f"wrong registry DSN {redact(dsn)}: {_masked(str(exc), dsn)} (not retried)") from None
     except psycopg2.OperationalError as exc:
+        wrong = wrong_dsn_reason(str(exc))
+        if wrong is not None:
+            raise RegistryDsnError(f"wrong registry DSN {redact(dsn)}: {wrong} (not retried)") from exc
         raise RegistryUnavailableError(f"cannot reach registry server {redact(dsn)}: {str(exc).strip()}") from exc
     if guard:
         try:
@@ -237,6 +385,25 @@ def connect(
             conn.close()
             raise
     return conn
+
+
+# Where a DSN libpq cannot parse may hold its password: a keyword's value (quoted, or up to a blank: it may hold
+# '&'), a URI's query parameter, a URI's user:password@.
+_SECRETS = (
+    re.compile(r"password\s*=\s*'((?:[^'\\]|\\.)*)'"),
+    re.compile(r"password\s*=\s*([^\s']+)"),
+    re.compile(r"password=([^\s&']+)"),
+    re.compile(r"://[^:/@\s]*:([^@/\s]+)@"),
+)
+
+
+def _masked(message: str, dsn: str) -> str:
+    """libpq's complaint about a DSN it cannot parse, on one line, with whatever looks like the DSN's password
+    masked: the complaint quotes pieces of the DSN (a URI's, all of it)."""
+    text = " ".join(message.split())
+    for secret in sorted({m for rx in _SECRETS for m in rx.findall(dsn) if m}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 @contextlib.contextmanager

@@ -1,11 +1,28 @@
 """The one place a SparkSession is made and Spark is configured. Imported lazily: the core registry code and DAG
-files never import pyspark at module level."""
+files never import pyspark at module level.
+
+Spark logs warnings and errors only, from the driver JVM's first line (``log4j2.properties`` beside this module): its
+INFO start-up, some 45 lines, buried each join task's first batch line. A JVM that this process launches (plain
+``python``, ``photon join``) gets the file through ``spark.driver.extraJavaOptions``; one that spark-submit started
+before this Python ran gets it from whoever ran spark-submit (``PhotonSparkSubmitOperator`` passes
+``driver_java_options()``). A spark-submit without it gets Spark's ``spark.log.level=WARN`` (unless it set a level
+itself), which the SparkContext applies a few INFO lines into its start.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
+
+LOG4J2_PROPERTIES = Path(__file__).resolve().with_name("log4j2.properties")
+
+
+def driver_java_options() -> str:
+    """The driver JVM's options for a quiet start (``spark.driver.extraJavaOptions``; as a URI, so that a path with
+    spaces stays one option)."""
+    return f"-Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}"
 
 
 def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: int = 8) -> Any:
@@ -30,6 +47,18 @@ def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: i
         # Under spark-submit (which starts the JVM and sets PYSPARK_GATEWAY_PORT) the master is spark-submit's
         # --master; plain python gets local mode.
         builder = builder.master("local[*]")
-    session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("WARN")
-    return session
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # the JVM is launched by getOrCreate, with these options
+        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options())
+    elif not _started_quiet():
+        builder = builder.config("spark.log.level", "WARN")
+    return builder.getOrCreate()
+
+
+def _started_quiet() -> bool:
+    """Whether spark-submit's JVM runs with ``driver_java_options()``, or was given a log level of its own."""
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's gateway; starts no context
+    jvm: Any = SparkContext._jvm
+    started = str(jvm.java.lang.System.getProperty("log4j2.configurationFile"))
+    return started == LOG4J2_PROPERTIES.as_uri() or SparkConf().contains("spark.log.level")

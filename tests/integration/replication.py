@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +86,14 @@ class Node:
         with open(self.data / "pg_hba.conf", "a") as f:
             f.write("host replication all 127.0.0.1/32 trust\n")
 
+    def prepend_hba(self, *rules: str) -> None:
+        """Rules before the default ones (which trust every login from 127.0.0.1): e.g. a password for one role.
+        Read by the server at its start or the next reload."""
+        hba = self.data / "pg_hba.conf"
+        hba.write_text("".join(f"{rule}\n" for rule in rules) + hba.read_text())
+        if (self.data / "postmaster.pid").exists():
+            _run(_bin("pg_ctl"), "-D", str(self.data), "reload")
+
     def start(self) -> Node:
         _run(_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.folder / "log"), "-w", "-t", "30", "start")
         return self
@@ -115,6 +126,23 @@ class Node:
             cur.execute(f"ALTER SYSTEM SET {name} = %s", (value,))
             cur.execute("SELECT pg_reload_conf()")
         time.sleep(0.3)  # the postmaster re-reads its files and signals the backends
+
+    def wait_replayed_by(self, standby: Node, timeout: float = 20) -> None:
+        """Until ``standby`` has replayed everything written here so far: a synchronous commit waits for the
+        standby's flush, not for its replay, and a role or database the standby has not replayed does not exist
+        there yet."""
+        with autocommit(self.dsn, guard=False) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_flush_lsn()::text")
+            written = cur.fetchone()[0]
+        deadline = time.monotonic() + timeout
+        while True:
+            with autocommit(standby.dsn, guard=False) as conn, conn.cursor() as cur:
+                cur.execute("SELECT pg_wal_lsn_diff(pg_last_wal_replay_lsn(), %s::pg_lsn) >= 0", (written,))
+                if cur.fetchone()[0]:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"standby {standby.name} has not replayed {written} after {timeout} s")
+            time.sleep(0.02)
 
     def wait_sync_state(self, application_name: str, states: tuple[str, ...], timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
@@ -164,3 +192,81 @@ def sync_pair(folder: Path) -> Iterator[tuple[Node, Node]]:
             if node is not None:
                 with contextlib.suppress(Exception):
                     node.stop("immediate")
+
+
+class CuttingProxy:
+    """A TCP proxy in front of one node that, once armed with markers, passes on the client's message holding the
+    last of them (on a connection that sent the others first, in that order), waits for the server's answer to it
+    (ReadyForQuery), then stops taking connections and cuts that client off without the answer: the statement (a
+    COMMIT, or one statement in autocommit) took effect on the server, the client cannot know, and the server
+    looks gone. A test then stops the node and promotes its standby, as Patroni would."""
+
+    def __init__(self, node: Node):
+        self._target = ("127.0.0.1", node.port)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self.markers: tuple[bytes, ...] = ()
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, *markers: bytes) -> None:
+        self.markers = markers
+
+    def close(self) -> None:
+        # shutdown first: a close alone leaves an accept() blocked in another thread taking one more connection.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(self._target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        seen = 0  # markers this connection has sent, in order
+        try:
+            while True:
+                ready, _, _ = select.select([client, server], [], [], 1.0)
+                for s in ready:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    if s is server:
+                        client.sendall(data)
+                        continue
+                    server.sendall(data)
+                    if self.markers and not self.cut.is_set() and self.markers[seen] in data:
+                        seen += 1
+                        if seen == len(self.markers):
+                            self._answer(server)
+                            self.close()
+                            self.cut.set()
+                            return
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+    @staticmethod
+    def _answer(server: socket.socket) -> None:
+        """Read the server's answer up to its ReadyForQuery: the statement is done (its commit too)."""
+        server.settimeout(30)
+        answer = b""
+        while b"Z\x00\x00\x00\x05" not in answer:
+            chunk = server.recv(65536)
+            if not chunk:
+                return
+            answer += chunk

@@ -22,6 +22,7 @@ import pytest
 
 from photon.registry.admin import init_registry
 from photon.tools.audit import audit
+from photon.tools.completeness import FINAL_ASSET_URI
 from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
@@ -35,7 +36,8 @@ EXPECTED = {
     "photon_join_dc_b": ("ContinuousTimetable", ["joiner_lease"], 1),
     "photon_join_dc_b_standby": ("ContinuousTimetable", ["joiner_lease"], 1),
     "photon_backfill": ("BackfillOnlyTimetable", ["backfill_dc_a", "backfill_dc_b"], 1),
-    "photon_data_quality": ("CronDataIntervalTimetable", ["settle", "checkpoint"], 2),
+    "photon_data_quality": ("AssetTriggeredTimetable", ["intervals", "checkpoint"], 2),
+    "photon_finality": ("CronDataIntervalTimetable", ["wait_final", "declare_final"], 6),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
     "photon_verify_recover": ("DeltaTriggerTimetable", ["verify_and_recover"], 1),
     "photon_reshard": ("NullTimetable", ["reshard"], 1),
@@ -144,8 +146,23 @@ def test_dags_import_cleanly_with_the_expected_shape(monkeypatch: pytest.MonkeyP
     for task in [join, *bag.dags["photon_backfill"].tasks]:
         assert task.registry_component == "joiner" and task.registry_conn_id == "photon_registry", task.task_id
         assert {"registry_conn_id", "application_args", "env_vars"} <= set(task.template_fields), task.task_id
-    quality = bag.dags["photon_data_quality"]
-    assert [t.task_id for t in quality.get_task("settle").downstream_list] == ["checkpoint"]
+    quality, finality = bag.dags["photon_data_quality"], bag.dags["photon_finality"]
+    assert [t.task_id for t in quality.get_task("intervals").downstream_list] == ["checkpoint"]
+    assert [t.task_id for t in finality.get_task("wait_final").downstream_list] == ["declare_final"]
+    assert finality.params["max_clock_skew_s"] == quality.params["max_clock_skew_s"]  # both follow the joiners'
+    sensor = finality.get_task("wait_final")
+    assert sensor.mode == "reschedule" and sensor.poke_interval == 60 and {"logs", "out"} <= set(sensor.template_fields)
+    # Data quality runs on the asset the finality DAG emits, whose URI is the core package's.
+    [asset] = finality.get_task("declare_final").outlets
+    assert asset.uri == FINAL_ASSET_URI and quality.timetable.asset_condition.objects == (asset,)
+    # An event names its hour as photon_finality writes it, or as a person creating one by hand would.
+    from photon.airflow.dags import _event_interval
+
+    h13 = 1_795_525_200 * US  # 2026-11-24T13:00:00Z
+    assert _event_interval({"start_us": h13, "end_us": h13 + 3_600 * US}) == (h13, h13 + 3_600 * US)
+    assert _event_interval({"start": "2026-11-24T13:00:00Z", "end": "2026-11-24T14:00"}) == (h13, h13 + 3_600 * US)
+    with pytest.raises(ValueError, match="names no interval"):
+        _event_interval({"hour": "13"})
 
 
 def test_parsing_touches_no_network_and_no_registry(tmp_path: Path) -> None:
@@ -203,11 +220,11 @@ def test_data_quality_dag_passes_then_fails_on_a_planted_duplicate(env: Any) -> 
     generate(GeneratorSettings(events_per_s=2_000), env.logs, start_us=start, end_us=start + 20 * US)
     perfect_output(env.logs, env.out)
     interval_end = _hour(start) + timedelta(hours=1)  # the run whose interval holds the clicks
-    conf = {"settle_min": 0, "max_unjoinable_rate": 0.2}
+    conf = {"max_unjoinable_rate": 0.2}
     dag = dagbag().dags["photon_data_quality"]
 
-    run = dag.test(logical_date=interval_end, run_conf=conf)
-    assert task_states(run) == {"settle": "success", "checkpoint": "success"}
+    run = dag.test(logical_date=interval_end, run_conf=conf)  # a manual run: the hour before its logical date
+    assert task_states(run) == {"intervals": "success", "checkpoint": "success"}
     query = XComModel.get_many(run_id=run.run_id, key="summary", dag_ids="photon_data_quality", task_ids="checkpoint")
     with create_session() as session:
         value = XComModel.deserialize_value(session.scalars(query).one())
@@ -218,6 +235,103 @@ def test_data_quality_dag_passes_then_fails_on_a_planted_duplicate(env: Any) -> 
     rewrite(env.out / "dc-b" / "joined" / "part-0.parquet", lambda t: pa.concat_tables([t, row]))
     run = dag.test(logical_date=interval_end, run_conf=conf)
     assert task_states(run)["checkpoint"] == "failed"
+
+
+def run_asset_triggered(dag: Any) -> tuple[str, dict[str, str]]:
+    """Schedule ``dag`` on the asset events queued for it and run it, as a scheduler would, in this process: the
+    scheduler's own code makes the run from the queue (consuming the events since its last run), then the run's
+    tasks go through the loop ``dag.test()`` uses. Both are Airflow internals (3.3); a scheduler process would make
+    the test a minute longer. Returns the run's id and its task states."""
+    from airflow.jobs.job import Job
+    from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+    from airflow.models.dag import DagModel
+    from airflow.models.dagrun import DagRun
+    from airflow.sdk.definitions.dag import _run_task
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState, TaskInstanceState
+    from airflow.utils.types import DagRunType
+    from sqlalchemy import select
+
+    with create_session() as session:
+        model = session.get(DagModel, dag.dag_id)
+        SchedulerJobRunner(job=Job())._create_dag_runs_asset_triggered(dag_models=[model], session=session)
+    with create_session() as session:
+        run = session.scalars(
+            select(DagRun).where(DagRun.dag_id == dag.dag_id, DagRun.run_type == DagRunType.ASSET_TRIGGERED)
+        ).one()
+        run.dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+        run.state = DagRunState.RUNNING
+        session.commit()
+        while run.state == DagRunState.RUNNING:
+            session.expire_all()
+            ready, _ = run.update_state(session=session)
+            for ti in ready:
+                ti.try_number += 1
+                ti.state = TaskInstanceState.SCHEDULED
+            session.commit()
+            for ti in [t for t in run.get_task_instances(session=session) if t.state == TaskInstanceState.SCHEDULED]:
+                _run_task(ti=ti, task=dag.task_dict[ti.task_id])
+            session.commit()
+        return run.run_id, task_states(run)
+
+
+@pytest.mark.usefixtures("as_components")
+def test_a_final_hour_triggers_data_quality_which_finds_every_click_decided(
+    env: Any, spark: Any, login_as: Callable[[str, str], str]
+) -> None:
+    """A pipeline joins an hour of logs; photon_finality finds the hour final, writes its marker and emits the asset
+    event; photon_data_quality, scheduled on that asset, runs for that hour and finds every click of it with exactly
+    one outcome."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import sync_bag_to_db
+    from airflow.models.dag import DagModel
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    from photon.joiner.common import JoinSettings
+    from photon.joiner.lease import Joiner
+
+    hour = _hour(int(time.time() * US)) - timedelta(hours=2)
+    start_us = int(hour.timestamp() * US)
+    settings = GeneratorSettings(
+        events_per_s=5,
+        dcs=("dc-a",),
+        query_servers=2,  # few, larger files: a batch costs what its files number
+        click_servers=2,
+        rotate_s=300,
+        chunk_s=300,
+        late_click_fraction=0.0,
+    )
+    generate(settings, env.logs, start_us=start_us, end_us=start_us + 3_600 * US)
+    # It joins history, as a backfill does (the data-quality check holds live pipelines to the latency SLO).
+    joiner = {"main": login_as(env.registry, "photon_joiner")}
+    pipeline = f"backfill-dc-a-{hour:%Y%m%d%H%M}"
+    Joiner("dc-a", env.logs, env.out, joiner, spark, JoinSettings(trigger_interval_s=0.1), pipeline=pipeline).run(
+        until_caught_up=True, drain=True
+    )
+
+    bag = dagbag()
+    quality = bag.dags["photon_data_quality"]
+    # Scheduled on the asset and unpaused (Airflow queues no event for a paused DAG): the DAGs go into the metadata
+    # database first, as the DAG processor would put them there.
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(bag, "dags-folder", None)
+    with create_session() as session:
+        session.get(DagModel, quality.dag_id).is_paused = False
+    run = bag.dags["photon_finality"].test(logical_date=hour + timedelta(hours=1))
+    assert task_states(run) == {"wait_final": "success", "declare_final": "success"}
+    marker = json.loads((env.out / "_final" / f"{hour:%Y%m%d%H}.json").read_text())
+    assert marker["final"] and marker["start_us"] == start_us and marker["input_clicks"] > 1_000
+
+    run_id, states = run_asset_triggered(quality)
+    assert states == {"intervals": "success", "checkpoint": "success"}
+    with create_session() as session:
+        query = XComModel.get_many(run_id=run_id, key="summary", dag_ids=quality.dag_id, task_ids="checkpoint")
+        summary = XComModel.deserialize_value(session.scalars(query).one())
+    assert (summary["start_us"], summary["end_us"]) == (start_us, start_us + 3_600 * US)
+    assert summary["success"] and summary["input_clicks"] == marker["input_clicks"]
+    assert summary["no_outcome"] == summary["joined_more_than_once"] == 0
 
 
 def test_backfill_over_two_intervals_twice_equals_once(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

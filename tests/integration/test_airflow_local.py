@@ -188,6 +188,19 @@ def assert_serves_on_loopback_only(af: PhotonAirflow) -> None:
     assert report["metadatabase"]["status"] == "healthy", report
 
 
+def assert_ready_message_comes_after_the_start(af: PhotonAirflow, home: Path) -> None:
+    """URL, user and password on one line, framed, after every component's first lines and the API server's start."""
+    lines = af.log.read_text(errors="replace").splitlines()
+    ready = next(i for i, line in enumerate(lines) if "| ready after " in line)
+    password = json.loads((home / "airflow" / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    assert lines[ready].endswith(f"{af.url}  user admin  password {password}"), lines[ready]
+    assert lines[ready - 1].endswith("=" * 72), lines[ready - 1]
+    started = [i for i, line in enumerate(lines) if "Uvicorn running on" in line]
+    assert started and started[0] < ready, lines[: ready + 1]
+    for component in ("api-server", "scheduler", "dag-processor", "triggerer"):
+        assert any(line.startswith(component) for line in lines[:ready]), (component, lines[: ready + 1])
+
+
 def assert_all_gone(af: PhotonAirflow) -> None:
     deadline = time.monotonic() + 10  # orphans re-parented to init are reaped there
     while af.alive() and time.monotonic() < deadline:
@@ -228,8 +241,10 @@ def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
     pg_admin_dsn: str,
 ) -> None:
     """SIGTERM case: no PHOTON_REGISTRY_DSN, so the embedded PostgreSQL under PHOTON_HOME holds the registry and
-    Airflow's metadata (database ``airflow``), and must be stopped afterwards. SIGINT case: the registry on the test
-    server, Airflow's metadata in a database of its own that ``photon airflow`` creates there."""
+    Airflow's metadata (database ``airflow``), and must be stopped afterwards; a quiet console. SIGINT case: the
+    registry on the test server, Airflow's metadata in a database of its own that ``photon airflow`` creates there;
+    the HTTP access log asked for. Either way the ready message (URL, user, password on one line) comes once the
+    components' start-up lines are out."""
     home = tmp_path / "home"
     metadata_db = f"photon_t_af_{uuid.uuid4().hex[:10]}"
     if sig == signal.SIGTERM:
@@ -238,7 +253,7 @@ def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
         args: tuple[str, ...] = ()
     else:
         env = photon_env(home, PHOTON_REGISTRY_DSN=make_db())
-        args = ("--metadata-db", metadata_db)
+        args = ("--metadata-db", metadata_db, "--access-log")
     af = PhotonAirflow(home, env, *args)
     started.append(af)
     try:
@@ -248,6 +263,10 @@ def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
         assert cfg["core"]["executor"] == "LocalExecutor"
         assert int(cfg["core"]["parallelism"]) == default_parallelism(2) >= 10
         assert_serves_on_loopback_only(af)
+        assert_ready_message_comes_after_the_start(af, home)
+        for _ in range(3):  # what a browser's polling does: each is one access-log line, when asked for
+            with contextlib.suppress(urllib.error.HTTPError):
+                urllib.request.urlopen(f"{af.url}/api/v2/dags", timeout=10).close()
         workers = [c for _, c in af.seen.values() if "LocalExecutor" in c]
         assert workers, af.seen
         pm = postmaster(home)
@@ -263,6 +282,11 @@ def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
         stop_s = af.stop(sig)
         print(f"{sig.name}: ready after {took:.1f}s, stopped in {stop_s:.1f}s, {len(af.seen)} processes")
         assert af.proc.returncode == 0, af.tail()
+        accessed = [line for line in af.log.read_text().splitlines() if "/api/v2/dags" in line]
+        if sig == signal.SIGTERM:
+            assert accessed == [], accessed  # quiet by default
+        else:
+            assert len(accessed) >= 3 and all("request finished" in line for line in accessed), accessed
         assert_all_gone(af)
         if sig == signal.SIGTERM:
             assert pm is not None and gone(pm[0]), "the embedded PostgreSQL still runs"

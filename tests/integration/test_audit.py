@@ -58,7 +58,9 @@ def test_a_correct_output_passes(out: Path, logs: Path) -> None:
     assert r.quarantine["expected"] == r.quarantine["found"] > 0
     assert set(r.shares) == {"dc-a", "dc-b"} and abs(r.shares["dc-a"]["share"] - 0.5) < 0.01
     assert r.latency_s["p50"] == r.latency_s["max"] == 2.0
-    assert r.unjoinable_by_reason == {"query not found within the maximum join delay": 2 * r.outcomes["unjoinable"]}
+    # Each unjoinable click once, as the outcomes count it; both pipelines gave it up, so twice the records.
+    assert r.unjoinable_by_reason == {"query not found within the maximum join delay": r.outcomes["unjoinable"]} != {}
+    assert r.unjoinable_records == 2 * r.outcomes["unjoinable"]
 
 
 def test_duplicate_across_pipelines_fails(out: Path, logs: Path) -> None:
@@ -150,6 +152,11 @@ def test_cli_exit_status_and_json(out: Path, logs: Path) -> None:
     good = runner.invoke(app, ["audit", "--out", str(out), "--logs", str(logs)])
     assert good.exit_code == 0, good.output
     assert "PASS" in good.output and "dc-a" in good.output and "p90" in good.output
+    # The printed unjoinable count and its reason table count the same clicks (was: 62 beside a table of 124).
+    n = run(out, logs).outcomes["unjoinable"]
+    assert f"unjoinable {n:,}, none 0" in good.output
+    assert f"the {n:,} unjoinable clicks by reason: {n:,} query not found within the maximum join delay" in good.output
+    assert f"({2 * n:,} records in the unjoinable/ folders" in good.output
     row = pq.read_table(out / "dc-a" / "joined" / "part-0.parquet").slice(0, 1)
     rewrite(out / "dc-b" / "joined" / "part-0.parquet", lambda t: pa.concat_tables([t, row]))
     bad = runner.invoke(app, ["audit", "--out", str(out), "--logs", str(logs), "--json"])

@@ -345,6 +345,23 @@ def test_backfilled_hour_counts(tmp_path: Path) -> None:
     assert r.statistics["joined"]["unsuccessful_expectations"] == 0
 
 
+def test_a_failure_says_what_its_share_is_of(tmp_path: Path) -> None:
+    """An hour mostly backfilled, 8 clicks joined live and all of them late: the latency expectation judges only the
+    8 live rows (the others' live latency is null). Was: 'unexpected 8 of 1,000 (100.00%)', a share of 8 given
+    beside 1,000."""
+    w = World()
+    _backfilled(w)
+    live = w.joined[:8]
+    for r in live:
+        r["pipeline"], r["joined_at_us"] = "dc-a", r["click_ts_us"] + 3_600 * US
+    r = check(w, tmp_path)
+    assert r.failed == [LATENCY]
+    assert r.details == [
+        f"{LATENCY}: unexpected 8 of the 8 non-null values (100.00%; 992 of 1,000 rows null, not judged), e.g."
+        " [3600.0, 3600.0, 3600.0]"
+    ]
+
+
 def test_unattributed_quarantine_is_reported_not_counted(tmp_path: Path) -> None:
     w = World()
     w.quarantine_lines("10.9.8.7-88-gone.jsonl", 100, ("dc-a",), decided_at=START + 60 * US)
@@ -368,8 +385,8 @@ def test_gx_log_keeps_to_one_line_per_failed_expectation(
     assert len(mine) == 4, mine  # the verdict, then one line per failed expectation
     assert "FAIL, 3 expectation(s)" in mine[0]
     assert "1010 input clicks, 0 without outcome, 1 joined more than once" in mine[0]
-    assert "expect_column_values_to_be_unique(click_id): unexpected 2 of 1,001" in "".join(mine[1:])
-    assert f"(joined_more_than_once): unexpected 1 of 1,010 (0.10%), e.g. ['{w.joined[0]['click_id']}']" in mine[3]
+    assert "expect_column_values_to_be_unique(click_id): unexpected 2 of 1,001 rows" in "".join(mine[1:])
+    assert f"(joined_more_than_once): unexpected 1 of 1,010 rows (0.10%), e.g. ['{w.joined[0]['click_id']}']" in mine[3]
     captured = capfd.readouterr()
     assert "Calculating Metrics" not in captured.err + captured.out  # GX's progress bars are off
 
@@ -424,7 +441,9 @@ def test_completeness_counts_and_names_the_clicks_no_pipeline_read(
     assert not r.success
     assert (r.input_clicks, r.no_outcome, r.joined_more_than_once) == (N + 10 + 7, 7, 0)
     assert r.samples["no_outcome"] == sorted(_click_id(ts) for ts in UNREAD)[:5]
-    assert r.details == [f"{NO_OUTCOME}: unexpected 7 of 1,017 (0.69%), e.g. {[_click_id(ts) for ts in UNREAD[:3]]}"]
+    assert r.details == [
+        f"{NO_OUTCOME}: unexpected 7 of 1,017 rows (0.69%), e.g. {[_click_id(ts) for ts in UNREAD[:3]]}"
+    ]
     assert any(NO_OUTCOME in rec.getMessage() and _click_id(UNREAD[0]) in rec.getMessage() for rec in caplog.records)
     page = next((tmp_path / "out" / "_quality" / "data_docs" / "validations").rglob("*.html")).parent.parent
     pages = "".join(p.read_text() for p in page.parent.rglob("*.html"))

@@ -1,9 +1,12 @@
 """The replication guard (photon/pg.py): a registry server that would acknowledge a commit no standby holds is
 refused with one line before anything is written, as the least-privilege roles see it; a synchronous pair passes;
-PHOTON_REGISTRY_REPLICATION=single accepts a lone server."""
+a standby named but not yet in sync (a failover's moment) is waited for, within the failover budget;
+PHOTON_REGISTRY_REPLICATION=single accepts a lone server. (A Patroni cluster switched to asynchronous replication:
+test_failover_load.py, on its three-node cluster.)"""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +19,7 @@ from psycopg2 import sql
 from photon.logs.ids import make_id
 from photon.pg import UnsafeReplicationError, autocommit, connect, create_database
 from photon.registry.admin import init_registry
-from photon.registry.client import IdRegistry
+from photon.registry.client import IdRegistry, RegistryOptions
 from photon.registry.owners import create_owner
 from photon.registry.sharding import ShardRef
 from tests.integration.replication import Node, sync_pair
@@ -105,10 +108,12 @@ def prepared(dsn: str) -> tuple[str, object]:
 
 
 def _refused(dsn: str, joiner: str, owner: object, monkeypatch: pytest.MonkeyPatch, *expected: str) -> None:
-    """A joiner registering on ``dsn`` is refused with one line naming ``expected``, and no row is written."""
+    """A joiner registering on ``dsn`` is refused with one line naming ``expected``, and no row is written. (Standbys
+    named but none in sync is retried for the failover budget first: a short one here.)"""
     monkeypatch.setenv("PHOTON_REGISTRY_REPLICATION", "required")
     before = registered_rows(dsn)
-    with IdRegistry({"main": joiner}) as reg, pytest.raises(UnsafeReplicationError) as info:
+    options = RegistryOptions(failover_s=1.0)
+    with IdRegistry({"main": joiner}, options) as reg, pytest.raises(UnsafeReplicationError) as info:
         reg.register(ids(50), owner.token(0))  # type: ignore[attr-defined]
     line = str(info.value)
     assert "\n" not in line
@@ -142,6 +147,31 @@ def test_refuses_a_standby_connected_but_async(pair: tuple[Node, Node], monkeypa
     finally:
         primary.set("synchronous_standby_names", "ANY 1 (s1)")
         primary.wait_sync_state("s1", ("quorum", "sync"))
+
+
+def test_waits_for_a_named_standby_reconnecting(pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after a failover the new primary names its standbys before one has reconnected to it (Patroni in quorum
+    mode: 'ANY 1 (node1,node3)', none streaming, for a moment): its commits would wait, never be acknowledged alone.
+    A batch then waits, as for a server away (the failover budget), and goes through once the standby streams."""
+    primary, standby = pair
+    dsn = make_registry(primary)
+    joiner, owner = prepared(dsn)
+    monkeypatch.setenv("PHOTON_REGISTRY_REPLICATION", "required")
+    standby.stop("fast")
+    back = threading.Timer(2.0, standby.start)
+    back.start()
+    try:
+        started = time.monotonic()
+        with IdRegistry({"main": joiner}, RegistryOptions(failover_s=30)) as reg:
+            assert reg.register(ids(50), owner.token(0)).counts()["won"] == 50  # type: ignore[attr-defined]
+        assert time.monotonic() - started >= 1.5  # it waited for the standby, not committed without it
+    finally:
+        back.join()
+        primary.wait_sync_state("s1", ("quorum", "sync"))
+    deadline = time.monotonic() + 10
+    while registered_rows(psycopg2.extensions.make_dsn(dsn, port=standby.port)) < 50:
+        assert time.monotonic() < deadline, "the standby does not hold the acknowledged registrations"
+        time.sleep(0.1)
 
 
 def test_refuses_a_named_standby_not_connected(lone: Node, monkeypatch: pytest.MonkeyPatch) -> None:

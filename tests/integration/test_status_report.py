@@ -59,7 +59,8 @@ def registry(
     make_db: Callable[[], str], login_as: Callable[[str, str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Path, Path]:
     """dc-a: two batches (the second left 3 clicks waiting, 1 due) and one older closed click file not consumed yet;
-    backfill-dc-a-202611200000: one batch with hours of latency. The CLI reads as the verifier's login."""
+    backfill-dc-a-202611200000: one batch with hours of latency, its run over (lease released). The CLI reads as the
+    verifier's login."""
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=1)
     joiner = login_as(dsn, "photon_joiner")
@@ -87,6 +88,7 @@ def registry(
     back = PipelineState(joiner, "backfill-dc-a-202611200000")
     bl = back.start_lease()
     back.commit(bl, 1, [("clicks", "c-1.jsonl")], metrics(50, 50, 45, 160_000.0))
+    back.release(bl)
     monkeypatch.setenv("PHOTON_REGISTRY_DSN", login_as(dsn, "photon_verifier"))
     monkeypatch.setenv("PHOTON_HOME", str(tmp_path / "home"))
     return logs, out
@@ -111,6 +113,8 @@ def test_status_reports_each_pipeline_as_json_and_as_a_table(registry: tuple[Pat
     b = records["backfill-dc-a-202611200000"]
     assert b["kind"] == "backfill" and b["dc"] == "dc-a" and b["recent"]["wasted_share"] == 0.9
     assert b["retries"] == {"waiting": 0, "due": 0}
+    assert (a["state"], records["dc-b"]["state"], b["state"]) == ("running", "running", "finished")
+    assert b["lag"] is None  # the files outside its window (c-2) are not its lag
 
     table = CliRunner().invoke(app, ["status", "--logs", str(logs), "--out", str(out)], env={"COLUMNS": "200"})
     assert table.exit_code == 0, table.output
@@ -118,6 +122,26 @@ def test_status_reports_each_pipeline_as_json_and_as_a_table(registry: tuple[Pat
     only = CliRunner().invoke(app, ["status", "--pipeline", "dc-a", "--json"])
     assert [r["pipeline"] for r in json.loads(only.output)] == ["dc-a"]
     assert json.loads(only.output)[0]["lag"] is None  # no --logs and no $PHOTON_HOME/logs: lag unknown, not zero
+
+
+def test_status_at_80_columns_shows_names_whole_and_a_finished_backfill_as_finished(
+    registry: tuple[Path, Path],
+) -> None:
+    """Was a seven-column table whose cells cut the backfill's name to `backfil…`, six lines to a row, and a finished
+    backfill shown as waiting for the data center's newest file (`clicks: oldest waiting 852 s`)."""
+    logs, out = registry
+    result = CliRunner().invoke(app, ["status", "--logs", str(logs), "--out", str(out)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.output
+    blocks = {b.splitlines()[0].split()[0]: b for b in result.output.split("\n\n")[1:]}
+    assert list(blocks) == ["dc-a", "dc-b", "backfill-dc-a-202611200000"], result.output
+    assert blocks["backfill-dc-a-202611200000"].splitlines()[0].endswith("backfill, dc-a, finished")
+    assert "waiting" not in blocks["backfill-dc-a-202611200000"].replace("0 waiting", ""), result.output
+    assert "lag clicks: oldest waiting" in " ".join(blocks["dc-a"].split())
+    assert blocks["dc-a"].splitlines()[0].endswith("live, dc-a, running")
+    wide = CliRunner().invoke(app, ["status", "--wide", "--logs", str(logs)], env={"COLUMNS": "80"})
+    assert wide.exit_code == 0 and "backfill-dc-a-202611200000" in wide.output, wide.output
 
 
 def test_status_names_an_unknown_pipeline_and_a_missing_folder(registry: tuple[Path, Path], tmp_path: Path) -> None:
@@ -138,11 +162,18 @@ def test_report_draws_live_pipelines_by_default_and_skips_charts_without_data(
     assert "pipelines: dc-a, dc-b" in result.output and "backfill" not in result.output.split("\n")[0]
     assert "dc-b: 2 batches, 20 joined, wasted 0.0% of 20 clicks; 1 hand-over(s), gaps max 3.5 s" in result.output
     assert sorted(p.name for p in home.iterdir()) == ["latency.png", "registry_batching.png", "shares.png"]
+    assert "latency.png (linear axis)" in result.output  # the live pipelines' 1-12 s
     assert "not drawn: shard_sizes.png" in result.output
     chosen = CliRunner().invoke(
         app, ["report", "--pipeline", "backfill-dc-a-202611200000", "--to", str(tmp_path / "b")]
     )
     assert chosen.exit_code == 0 and "pipelines: backfill-dc-a-202611200000" in chosen.output
+    # One pipeline days behind beside seconds-fast ones: a linear axis would flatten them all against zero.
+    both = CliRunner().invoke(
+        app, ["report", "--pipeline", "dc-a", "--pipeline", "backfill-dc-a-202611200000", "--to", str(tmp_path / "c")]
+    )
+    assert both.exit_code == 0, both.output
+    assert "latency.png (log axis: 3 of 9 latencies far above the rest, up to 5.6 days)" in both.output
     # Nothing in the range: no chart at all, and an older run's charts in the same folder are removed.
     empty = CliRunner().invoke(app, ["report", "--since", "2099-01-01T00:00:00Z"])
     assert empty.exit_code == 0 and "none with batches in the range" in empty.output

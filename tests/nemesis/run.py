@@ -2,11 +2,19 @@
 ``StreamTest`` stress tests.
 
 Live logs for two data centers (the generator, real time), one joiner process per data center restarted like
-Airflow restarts a lease (leases of random length), the registry on a PostgreSQL of its own, and a schedule drawn
-from the seed:
+Airflow restarts a lease (leases of random length), the registry on a PostgreSQL of its own (``--registry
+embedded``, the default) or on the local three-node Patroni cluster (``--registry cluster``, quorum commit), and a
+schedule drawn from the seed:
 
 - ``kill``: SIGKILL a joiner's whole process group (driver, JVM, Python workers) at a random moment;
-- ``pg_restart``: the registry's PostgreSQL stopped hard (``pg_ctl -m immediate``) and started again seconds later;
+- ``pg_restart`` (embedded): the registry's PostgreSQL stopped hard (``pg_ctl -m immediate``) and started again
+  seconds later;
+- ``primary_lost`` (cluster, in place of ``pg_restart``, drawn at the same moments; it strikes once a lease has
+  committed a batch, 30 s after its draw at the latest): the primary's PostgreSQL and its Patroni SIGKILLed (a
+  machine lost); Patroni promotes a standby, the joiners and the verifier follow on their multi-host DSN without a
+  restart, and the old primary is started again seconds after the promotion and must rejoin as a streaming
+  standby. The JSON reports each failover's gaps: kill to promotion, kill to each pipeline's first batch commit
+  after it, restart to streaming;
 - ``verify``: ``photon verify`` beside the live joiners with a short grace period, sometimes SIGKILLed mid-pass;
 - ``outage``: one replica stops receiving files for a while and catches up (the generator's outage);
 - ``lose_dc``: one data center lost for good: its joiner killed and never restarted;
@@ -14,12 +22,14 @@ from the seed:
   clock skew it runs (its decisions follow the registry server's clock); beyond it (the survivor, after the loss,
   as in issue 19) it must refuse at once, exit 2, and cost nothing.
 
-Every component runs as a login holding only its role. While the run goes, a checker that reads files only
+Every component runs as a login holding only its role (on the cluster with PHOTON_REGISTRY_REPLICATION=required: the
+replication guard must pass there, before and after a failover). While the run goes, a checker that reads files only
 asserts that no click id is in two ``joined/`` files. At the end (input stopped): verify, drain the survivors,
 verify, drain, verify; then the checker asserts that every click has exactly one outcome and every click that must
 be joined is.
 
     python -m tests.nemesis.run --seed 7 --seconds 300     (make chaos SEED=7 SECONDS=300)
+    python -m tests.nemesis.run --seed 7 --seconds 120 --registry cluster
 
 The last line printed is a JSON object: the seed, fault counts, the checker's verdict.
 """
@@ -31,6 +41,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -40,26 +51,32 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg2.extensions
 
 from tests.nemesis import checker
+
+if TYPE_CHECKING:
+    from photon.registry.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DCS = ("dc-a", "dc-b")
 MAX_JOIN_DELAY_S = 20.0
 MARGIN_S = 5.0
 SKEW_S = 10.0  # PHOTON_MAX_CLOCK_SKEW_S (the default) for every process of the run
+REGISTRIES = ("embedded", "cluster")
+PROMOTION_TIMEOUT_S = 90.0  # Patroni's ttl (20 s) and a promotion, with room for a loaded machine
+PRIMARY_LOST_WAIT_S = 30.0  # a drawn primary_lost waits this long at most for a lease's committed batch
 
 
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    kind: str  # kill | pg_restart | verify | lose_dc | clock
+    kind: str  # kill | pg_restart | primary_lost | verify | lose_dc | clock
     target: str = ""
-    # pg_restart: seconds down; verify: SIGKILL after this many seconds (0: let it finish); clock: the host clock's
-    # offset in seconds
+    # pg_restart: seconds down; primary_lost: seconds from the promotion to the old primary's restart; verify:
+    # SIGKILL after this many seconds (0: let it finish); clock: the host clock's offset in seconds
     arg: float = 0.0
 
 
@@ -70,13 +87,21 @@ class Plan:
     rate: float
     grace_s: float
     lease_s: tuple[float, float]
-    outage: tuple[str, float, float]
+    outage: tuple[str, float, float] | None
     lost: str
     faults: list[Fault]
+    registry: str = "embedded"
+    max_join_delay_s: float = MAX_JOIN_DELAY_S
+    late_query_lag_max_s: float = 40.0  # the generator runs until its latest query file has arrived
+    trigger_s: float = 0.5
+    generator_set: tuple[str, ...] = ()  # more of the generator's settings, KEY=VALUE
 
 
-def plan(seed: int, seconds: float, rate: float = 300.0) -> Plan:
-    """The schedule a seed stands for: every fault kind at least once, at random moments."""
+def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedded") -> Plan:
+    """The schedule a seed stands for: every fault kind at least once, at random moments. On the cluster the same
+    schedule, with the primary lost where the embedded server is restarted (the draws are the same)."""
+    if registry not in REGISTRIES:
+        raise ValueError(f"registry {registry!r}: expected one of {', '.join(REGISTRIES)}")
     rng = random.Random(seed)
     lost = rng.choice(DCS)
     loss_at = rng.uniform(0.55, 0.75) * seconds
@@ -86,8 +111,9 @@ def plan(seed: int, seconds: float, rate: float = 300.0) -> Plan:
         while t < seconds:
             faults.append(Fault(t, "kill", dc))
             t += rng.expovariate(3.0 / seconds)
+    registry_fault = "pg_restart" if registry == "embedded" else "primary_lost"
     for _ in range(max(1, int(seconds // 120))):
-        faults.append(Fault(rng.uniform(0.2, 0.85) * seconds, "pg_restart", "", rng.uniform(1.0, 6.0)))
+        faults.append(Fault(rng.uniform(0.2, 0.85) * seconds, registry_fault, "", rng.uniform(1.0, 6.0)))
     t = rng.uniform(5.0, 12.0)
     while t < seconds:
         faults.append(Fault(t, "verify", "", rng.uniform(0.2, 2.0) if rng.random() < 0.3 else 0.0))
@@ -100,11 +126,14 @@ def plan(seed: int, seconds: float, rate: float = 300.0) -> Plan:
     survivor = DCS[1 - DCS.index(lost)]
     beyond = rng.choice((-1, 1)) * rng.uniform(SKEW_S + 20, 150)
     faults.append(Fault(loss_at + rng.uniform(0.05, 0.15) * seconds, "clock", survivor, beyond))
-    return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, sorted(faults, key=lambda f: f.at_s))
+    faults = sorted(faults, key=lambda f: f.at_s)
+    return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, faults, registry)
 
 
-class Registry:
+class EmbeddedRegistry:
     """The registry's own PostgreSQL (the pgserver binaries), which this run may stop hard."""
+
+    replication = "single"  # PHOTON_REGISTRY_REPLICATION for the processes on it: a lone server by construction
 
     def __init__(self, folder: Path):
         from photon.pg import EmbeddedPostgres
@@ -116,6 +145,9 @@ class Registry:
         self.server.start()
         self.admin = self.server.admin_dsn
         return self.admin
+
+    def replicated(self) -> None:
+        """Nothing to wait for: one server."""
 
     def _pg_ctl(self, args: list[str]) -> None:
         from pgserver import _commands
@@ -135,6 +167,79 @@ class Registry:
         self.server.stop()
 
 
+class ClusterRegistry:
+    """The local three-node cluster (Patroni, etcd, quorum commit), whose primary this run may lose. Started and
+    stopped by this run, or one already up (a test's fixture: ``owned=False``) that it leaves running."""
+
+    replication = "required"  # the guard must pass on the cluster, before and after a failover
+
+    def __init__(self, cluster: LocalCluster, *, owned: bool = True):
+        self.cluster, self.owned = cluster, owned
+
+    def start(self) -> str:
+        return self.cluster.up() if self.owned else self.cluster.dsn()
+
+    def replicated(self) -> None:
+        """A database or login just made exists on every node (the multi-host DSN stops at a node lacking it)."""
+        self.cluster.wait_replayed()
+
+    def stop(self) -> None:
+        if self.owned and self.cluster.state:
+            self.cluster.down()
+
+
+@dataclass
+class Failover:
+    """One ``primary_lost``: when, which node, and how long each step took (seconds from the kill unless named)."""
+
+    at_s: float
+    killed_unix: float  # time.time() at the kill: the registry's commit times are on the same host's clock
+    old: str
+    restart_after_s: float  # from the promotion
+    killed_mono: float = 0.0
+    new: str | None = None
+    promoted_s: float | None = None
+    restarted_mono: float | None = None
+    rejoined_s: float | None = None  # from the old primary's restart to its streaming as a standby
+    first_commit_s: dict[str, float | None] = field(default_factory=dict)
+    after_batch: bool = True  # struck once a lease had committed a batch (else: on the wait's bound)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "at_s": round(self.at_s, 1),
+            "after_batch": self.after_batch,
+            "old": self.old,
+            "new": self.new,
+            "promoted_s": self.promoted_s,
+            "first_commit_s": self.first_commit_s,
+            "rejoined_s": self.rejoined_s,
+        }
+
+
+# What `photon join` prints once a batch is committed ("dc-a batch 3: 120 clicks, ..."), not its lease's first line
+# ("dc-a: lease epoch 2, resuming after batch 0").
+_BATCH_LINE = re.compile(rb"^\S+ batch \d+: ", re.MULTILINE)
+
+
+def ran_a_batch(log: Path) -> bool:
+    return _BATCH_LINE.search(log.read_bytes()) is not None
+
+
+def first_commits_after(dsn: str, unix_s: float) -> dict[str, float]:
+    """Seconds from ``unix_s`` to each pipeline's first batch commit after it. ``photon.batches.committed_at`` is
+    the committing transaction's start by the registry server's clock, on this same host: a batch retried across a
+    failover is stamped by the new primary."""
+    from photon.pg import autocommit
+
+    with autocommit(dsn, guard=False) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT pipeline, extract(epoch FROM min(committed_at))::float8 FROM photon.batches"
+            " WHERE committed_at > to_timestamp(%s) GROUP BY pipeline ORDER BY pipeline",
+            (unix_s,),
+        )
+        return {str(p): round(float(t) - unix_s, 1) for p, t in cur.fetchall()}
+
+
 @dataclass
 class Outcome:
     seed: int
@@ -145,6 +250,7 @@ class Outcome:
     duplicate_checks: int = 0
     duplicates_seen: list[str] = field(default_factory=list)
     verdict: dict[str, Any] = field(default_factory=dict)
+    failovers: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
@@ -153,16 +259,36 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: dict(v) if isinstance(v, Counter) else v for k, v in vars(self).items()}
-        return {**d, "ok": self.ok}
+        violations = self.verdict.get("violations", {})
+        # The two figures billing cares about, in front: clicks joined twice, clicks that had to be joined and were not.
+        headline = {
+            "duplicates": len(self.duplicates_seen) or violations.get("duplicate", {}).get("count", 0),
+            "lost": violations.get("must_join_not_joined", {}).get("count", 0),
+        }
+        return {**d, **headline, "ok": self.ok}
 
 
 class Nemesis:
-    def __init__(self, p: Plan, work: Path, spark: Any = None, echo: Any = print):
+    """One run of a plan. Its parts (``setup_registry``, ``generator``, ``lease``, ``drain``, ``final_verify``,
+    ``check``, ``verdict``) also serve tests that stage one fault by hand (test_failover_load.py)."""
+
+    def __init__(
+        self,
+        p: Plan,
+        work: Path,
+        spark: Any = None,
+        echo: Any = print,
+        registry: EmbeddedRegistry | ClusterRegistry | None = None,
+    ):
         self.p, self.work, self.spark, self.echo = p, work, spark, echo
         self.logs, self.out = work / "logs", work / "out"
         self.proc_logs = work / "processes"
         self.proc_logs.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(work / "pg")
+        if registry is None and p.registry == "cluster":
+            from photon.registry.cluster import LocalCluster
+
+            registry = ClusterRegistry(LocalCluster(work / "cluster"))
+        self.registry: EmbeddedRegistry | ClusterRegistry = registry or EmbeddedRegistry(work / "pg")
         self.rng = random.Random(p.seed + 1)
         self.outcome = Outcome(p.seed, p.seconds)
         self.joiners: dict[str, subprocess.Popen[bytes] | None] = dict.fromkeys(DCS)
@@ -176,22 +302,28 @@ class Nemesis:
         self.verifier: subprocess.Popen[bytes] | None = None
         self.verifier_kill_at: float | None = None
         self.pg_up_at: float | None = None
+        self.primary_lost_pending: Fault | None = None  # drawn, waiting for a lease's first batch
+        self.failover: Failover | None = None  # the primary_lost under way, until its old primary streams again
+        self.failovers: list[Failover] = []
         self.started = 0
         self.skewed: dict[str, float] = {}  # dc -> the clock offset of its running lease, if skewed
         self.next_clock: dict[str, float] = {}  # dc -> the clock offset of its next lease
 
     # -- setup -----------------------------------------------------------------------------------------------
-    def _setup_registry(self) -> None:
+    def setup_registry(self) -> None:
+        """Start the registry, make the ``photon`` database (``self.owner``: its admin DSN) and one login per role
+        (``self.dsn[role]``)."""
         from psycopg2 import sql
 
         from photon.pg import autocommit, create_database
         from photon.registry.admin import init_registry
 
         admin = self.registry.start()
-        owner = create_database(admin, "photon")
+        self.owner = owner = create_database(admin, "photon")
+        self.registry.replicated()  # the new database on every node before anyone connects to it
         init_registry({"main": owner}, num_shards=4)
         self.dsn: dict[str, str] = {}
-        with autocommit(admin) as conn, conn.cursor() as cur:
+        with autocommit(admin, guard=False) as conn, conn.cursor() as cur:
             for role in ("photon_joiner", "photon_verifier"):
                 name, password = f"nemesis_{role}_{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
                 cur.execute(
@@ -201,10 +333,12 @@ class Nemesis:
                     (password,),
                 )
                 self.dsn[role] = psycopg2.extensions.make_dsn(owner, user=name, password=password)
+        self.registry.replicated()  # the logins too
 
     def _env(self, role: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PHOTON_REGISTRY_SERVERS"}
         env |= {"PHOTON_REGISTRY_DSN": self.dsn[role], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+        env["PHOTON_REGISTRY_REPLICATION"] = self.registry.replication
         return env
 
     def _spawn(
@@ -229,25 +363,42 @@ class Nemesis:
         )
 
     @staticmethod
-    def _kill(proc: subprocess.Popen[bytes] | None) -> None:
+    def sigkill(proc: subprocess.Popen[bytes] | None) -> None:
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
     # -- processes -------------------------------------------------------------------------------------------
-    def _generator(self) -> subprocess.Popen[bytes]:
-        dc, start, length = self.p.outage
-        args = ["generate", "--logs", str(self.logs), "--mode", "live", "--duration", str(self.p.seconds)]
-        args += ["--rate", str(self.p.rate), "--seed", str(self.p.seed), "--outage", f"{dc}:{start:.1f}:{length:.1f}"]
-        args += ["--max-join-delay", str(MAX_JOIN_DELAY_S), "--set", "late_query_lag_max_s=40"]
+    def generator(self, *, seed: int | None = None, seconds: float | None = None) -> subprocess.Popen[bytes]:
+        """The live generator for ``p.seconds`` of logs (it returns once its latest file has arrived). Another
+        ``seed`` and a few ``seconds``: one of several runs in a row (each adds its part to the manifest)."""
+        seconds = self.p.seconds if seconds is None else seconds
+        args = ["generate", "--logs", str(self.logs), "--mode", "live", "--duration", str(seconds)]
+        args += ["--rate", str(self.p.rate), "--seed", str(self.p.seed if seed is None else seed)]
+        if self.p.outage is not None:
+            dc, start, length = self.p.outage
+            args += ["--outage", f"{dc}:{start:.1f}:{length:.1f}"]
+        args += ["--max-join-delay", str(self.p.max_join_delay_s)]
+        args += ["--set", f"late_query_lag_max_s={self.p.late_query_lag_max_s:g}"]
         args += ["--set", f"boundary_margin_s={MARGIN_S}"]
+        for setting in self.p.generator_set:
+            args += ["--set", setting]
         return self._spawn("generator", args, None)
 
-    def _lease(self, dc: str, crash_at: str | None = None, clock_s: float = 0.0) -> subprocess.Popen[bytes]:
-        lease = self.rng.uniform(*self.p.lease_s)
-        args = ["join", "--dc", dc, "--logs", str(self.logs), "--out", str(self.out), "--run-for", f"{lease:.0f}"]
-        args += ["--trigger-interval", "0.5", "--max-join-delay", str(MAX_JOIN_DELAY_S), "--master", "local[1]"]
+    def lease(
+        self, dc: str, crash_at: str | None = None, clock_s: float = 0.0, *, until_drained: bool = False
+    ) -> subprocess.Popen[bytes]:
+        """A `photon join` lease of ``dc`` (a length drawn from ``p.lease_s``) as the joiner's login. ``until_drained``:
+        instead, until the input has stopped and no retry is left (``--until-caught-up --drain``; files must be
+        there when its first batch looks, or it has caught up at once)."""
+        args = ["join", "--dc", dc, "--logs", str(self.logs), "--out", str(self.out)]
+        if until_drained:
+            args += ["--until-caught-up", "--drain"]
+        else:
+            args += ["--run-for", f"{self.rng.uniform(*self.p.lease_s):.0f}"]
+        args += ["--trigger-interval", f"{self.p.trigger_s:g}", "--max-join-delay", str(self.p.max_join_delay_s)]
+        args += ["--master", "local[1]"]
         extra = {"PHOTON_CRASH_AT": crash_at} if crash_at else None
         prefix = ["faketime", "-f", f"{clock_s:+.0f}s"] if clock_s else None
         return self._spawn(
@@ -267,7 +418,7 @@ class Nemesis:
         if v is None:
             return
         if v.poll() is None and self.verifier_kill_at is not None and now >= self.verifier_kill_at:
-            self._kill(v)
+            self.sigkill(v)
             self.outcome.faults["verify_killed"] += 1
         if v.poll() is not None:
             self.outcome.verify["exit_" + str(v.returncode)] += 1
@@ -286,16 +437,22 @@ class Nemesis:
             # The data center's last lease dies in its second batch, after registering (clicks held by a pipeline
             # that will never commit them) or after committing (a batch that will never be published by it).
             self.lost.add(f.target)
-            self._kill(self.joiners[f.target])
+            self.sigkill(self.joiners[f.target])
             self.dying[f.target] = "after_commit@+2" if f.arg else "after_register@+2"
-            self.joiners[f.target] = self._lease(f.target, crash_at=self.dying[f.target])
+            self.joiners[f.target] = self.lease(f.target, crash_at=self.dying[f.target])
             self.outcome.faults["lose_dc"] += 1
         elif f.kind == "kill" and f.target not in self.lost:
             self.kill_pending[f.target] = self.rng.uniform(0.0, 6.0)
         elif f.kind == "pg_restart" and self.pg_up_at is None:
+            assert isinstance(self.registry, EmbeddedRegistry)
             self.registry.stop_hard()
             self.pg_up_at = now + f.arg
             self.outcome.faults["pg_restart"] += 1
+        elif f.kind == "primary_lost":
+            if self.failover is not None or self.primary_lost_pending is not None:  # one at a time
+                self.outcome.faults["primary_lost_skipped"] += 1
+                return
+            self.primary_lost_pending = f
         elif f.kind == "verify":
             self._verify(f.arg, now)
         elif f.kind == "clock" and f.target not in self.lost:
@@ -304,11 +461,73 @@ class Nemesis:
             if abs(f.arg) <= SKEW_S:
                 self.next_clock[f.target] = f.arg
                 return
-            self._kill(self.joiners[f.target])
+            self.sigkill(self.joiners[f.target])
             self._start_lease(f.target, f.arg)
 
+    def _lose_primary(self, now: float, *, at_once: bool = False) -> None:
+        """A pending primary_lost strikes once a live pipeline's current lease has committed a batch: it hits batches
+        (their registrations and commits) rather than Spark start-ups. On a machine so loaded that no lease gets
+        there, PRIMARY_LOST_WAIT_S after its draw all the same (or ``at_once``: the input stopped)."""
+        f = self.primary_lost_pending
+        if f is None:
+            return
+        batch = any(ran_a_batch(self.lease_log[dc]) for dc in self.lease_log if dc not in self.lost)
+        if not (batch or at_once or now - f.at_s >= PRIMARY_LOST_WAIT_S):
+            return
+        assert isinstance(self.registry, ClusterRegistry)
+        self.primary_lost_pending = None
+        killed_unix, killed_mono = time.time(), time.monotonic()
+        old = self.registry.cluster.kill_primary()
+        self.failover = Failover(now, killed_unix, old, f.arg, killed_mono=killed_mono, after_batch=batch)
+        self.echo(f"{now:7.1f}s primary_lost: {old} SIGKILLed ({now - f.at_s:.1f} s after its draw)")
+        self.outcome.faults["primary_lost"] += 1
+
+    def _tend_failover(self, *, wait: bool = False) -> None:
+        """The primary_lost under way, one step at a time between the loop's other work: note the promotion, restart
+        the old primary ``restart_after_s`` later, note when it streams again. ``wait``: to the end, now (the input
+        stopped)."""
+        fo = self.failover
+        if fo is None:
+            return
+        assert isinstance(self.registry, ClusterRegistry)
+        cluster = self.registry.cluster
+        while True:
+            mono = time.monotonic()
+            if fo.new is None:
+                primary = cluster.primary()
+                if primary is not None and primary != fo.old:
+                    fo.new, fo.promoted_s = primary, round(mono - fo.killed_mono, 1)
+                    self.echo(f"  failover: {fo.new} promoted {fo.promoted_s} s after the kill")
+                elif mono - fo.killed_mono > PROMOTION_TIMEOUT_S:
+                    raise AssertionError(
+                        f"seed {self.p.seed}: no new primary {PROMOTION_TIMEOUT_S:.0f} s after {fo.old}'s loss"
+                    )
+            elif fo.restarted_mono is None:
+                if wait or mono - fo.killed_mono >= (fo.promoted_s or 0.0) + fo.restart_after_s:
+                    cluster.restart_node(fo.old)
+                    fo.restarted_mono = time.monotonic()
+            else:
+                node = next(n for n in cluster.status() if n.name == fo.old)
+                if (
+                    node.role != "leader"
+                    and node.state == "streaming"
+                    and node.sync_state in ("quorum", "sync", "potential")
+                ):
+                    fo.rejoined_s = round(time.monotonic() - fo.restarted_mono, 1)
+                    self.echo(f"  failover: {fo.old} streaming again {fo.rejoined_s} s after its restart")
+                    self.failovers.append(fo)
+                    self.failover = None
+                    return
+                if mono - fo.restarted_mono > PROMOTION_TIMEOUT_S:
+                    raise AssertionError(
+                        f"seed {self.p.seed}: {fo.old} does not stream again after its restart: {node}"
+                    )
+            if not wait:
+                return
+            time.sleep(0.5)
+
     def _start_lease(self, dc: str, clock_s: float = 0.0) -> None:
-        self.joiners[dc] = self._lease(dc, clock_s=clock_s)
+        self.joiners[dc] = self.lease(dc, clock_s=clock_s)
         self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
         if clock_s:
             self.skewed[dc] = clock_s
@@ -342,9 +561,9 @@ class Nemesis:
             del self.dying[dc]
             self.outcome.faults["lost_mid_batch"] += 1
         else:
-            self.joiners[dc] = self._lease(dc, crash_at=self.dying[dc])
+            self.joiners[dc] = self.lease(dc, crash_at=self.dying[dc])
 
-    def _check(self) -> None:
+    def check(self) -> None:
         dups = checker.duplicates(self.out)
         self.outcome.duplicate_checks += 1
         if dups:
@@ -353,23 +572,24 @@ class Nemesis:
 
     def run(self) -> Outcome:
         t_wall = time.monotonic()
-        self._setup_registry()
+        self.setup_registry()
         try:
             self._live()
             self._finish()
         finally:
             for proc in [*self.joiners.values(), self.verifier]:
-                self._kill(proc)
+                self.sigkill(proc)
             self.registry.stop()
         self.outcome.wall_s = round(time.monotonic() - t_wall, 1)
         return self.outcome
 
     def _live(self) -> None:
         faults = list(self.p.faults)
-        generator = self._generator()
+        generator = self.generator()
         t0 = time.monotonic()
         next_check = 0.0
-        self.outcome.faults["outage"] += 1
+        if self.p.outage is not None:
+            self.outcome.faults["outage"] += 1
         while generator.poll() is None:
             now = time.monotonic() - t0
             for dc in DCS:
@@ -389,34 +609,45 @@ class Nemesis:
                     self.first_batch_at[dc] = first = now
                 if first is not None and dc in self.kill_pending and now - first >= self.kill_pending[dc]:
                     del self.kill_pending[dc]
-                    self._kill(proc)
+                    self.sigkill(proc)
                     self.outcome.faults["kill"] += 1
             while faults and faults[0].at_s <= now:
                 self._apply(faults.pop(0), now)
             if self.pg_up_at is not None and now >= self.pg_up_at:
+                assert isinstance(self.registry, EmbeddedRegistry)
                 self.registry.restart()
                 self.pg_up_at = None
+            self._lose_primary(now)
+            self._tend_failover()
             self._reap_verifier(now)
             if now >= next_check:
-                self._check()
+                self.check()
                 next_check = now + 3.0
             time.sleep(0.2)
         if generator.returncode != 0:
             raise RuntimeError(f"the generator failed ({generator.returncode}); see {self.proc_logs}")
         if self.pg_up_at is not None:
+            assert isinstance(self.registry, EmbeddedRegistry)
             self.registry.restart()
             self.pg_up_at = None
+        self._lose_primary(time.monotonic() - t0, at_once=True)  # every drawn fault happens, under the last leases
+        self._tend_failover(wait=True)
+        for fo in self.failovers:
+            # During the live phase, by any lease (None: none committed after it before the input stopped).
+            fo.first_commit_s = dict.fromkeys(DCS) | first_commits_after(self.owner, fo.killed_unix)
+            self.outcome.failovers.append(fo.summary())
         for dc in DCS:  # the input stopped: the last leases die where they stand
-            self._kill(self.joiners[dc])
+            self.sigkill(self.joiners[dc])
         if self.verifier is not None:
             self.verifier.wait()
             self._reap_verifier(time.monotonic() - t0)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Each surviving pipeline until caught up and no retry is left (in this process on ``spark``, if given)."""
         from photon.joiner.common import JoinSettings
         from photon.joiner.lease import Joiner
 
-        settings = JoinSettings(max_join_delay_s=MAX_JOIN_DELAY_S, trigger_interval_s=0.5)
+        settings = JoinSettings(max_join_delay_s=self.p.max_join_delay_s, trigger_interval_s=self.p.trigger_s)
         for dc in DCS:
             if dc in self.lost:
                 continue
@@ -425,12 +656,13 @@ class Nemesis:
                 Joiner(dc, self.logs, self.out, servers, self.spark, settings).run(until_caught_up=True, drain=True)
             else:
                 args = ["join", "--dc", dc, "--logs", str(self.logs), "--out", str(self.out), "--until-caught-up"]
-                args += ["--drain", "--max-join-delay", str(MAX_JOIN_DELAY_S), "--master", "local[2]"]
+                args += ["--drain", "--max-join-delay", str(self.p.max_join_delay_s), "--master", "local[2]"]
                 if self._spawn(f"drain-{dc}", args, "photon_joiner").wait() != 0:
                     raise RuntimeError(f"draining {dc} failed; see {self.proc_logs}")
-            self._check()
+            self.check()
 
-    def _final_verify(self) -> dict[str, Any]:
+    def final_verify(self) -> dict[str, Any]:
+        """One verifier pass, in this process, as the verifier's login."""
         from photon.recovery.verify import verify_and_recover
 
         servers = {"main": self.dsn["photon_verifier"]}
@@ -440,9 +672,9 @@ class Nemesis:
         time.sleep(self.p.grace_s + 1)  # every killed lease is now gone: the verifier fences and recovers
         reports = []
         for _ in range(3):
-            reports.append(self._final_verify())
-            self._drain()
-        reports.append(self._final_verify())
+            reports.append(self.final_verify())
+            self.drain()
+        reports.append(self.final_verify())
         for r in reports:
             self.outcome.verify["final_fenced"] += len(r["fenced"])
             self.outcome.verify["final_recovered"] += r["recovered"]
@@ -454,12 +686,15 @@ class Nemesis:
             len(p.read_bytes().splitlines()) for p in (self.logs / survivor / "clicks").rglob("recovered-*.jsonl")
         )
         last = reports[-1]
-        verdict = checker.final(
-            self.logs, self.out, lost=sorted(self.lost), max_join_delay_s=MAX_JOIN_DELAY_S, margin_s=MARGIN_S
-        )
-        self.outcome.verdict = verdict.summary()
+        self.outcome.verdict = self.verdict().summary()
         self.outcome.verdict["last_verify_lost"] = last["lost"]
         self.outcome.verdict["last_verify_in_flight"] = last["in_flight"]
+
+    def verdict(self) -> checker.Verdict:
+        """The file-only checker's verdict over the logs, the manifest and every pipeline's output."""
+        return checker.final(
+            self.logs, self.out, lost=sorted(self.lost), max_join_delay_s=self.p.max_join_delay_s, margin_s=MARGIN_S
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,9 +703,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--rate", type=float, default=300.0, help="events per second per replica")
     ap.add_argument("--work", type=Path, default=None, help="keep the run's folder here (default: a temp folder)")
+    ap.add_argument(
+        "--registry",
+        choices=REGISTRIES,
+        default="embedded",
+        help="embedded: one PostgreSQL, stopped hard (pg_restart); cluster: the local three-node Patroni cluster, "
+        "its primary lost (primary_lost)",
+    )
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"photon-nemesis-{args.seed}-"))
-    p = plan(args.seed, args.seconds, args.rate)
+    p = plan(args.seed, args.seconds, args.rate, args.registry)
+    if p.registry == "cluster":  # this process's own verify passes and drains are guarded too
+        os.environ["PHOTON_REGISTRY_REPLICATION"] = ClusterRegistry.replication
     print(f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, in {work}", flush=True)
     for f in p.faults:
         print(f"  {f.at_s:7.1f}s {f.kind} {f.target} {f.arg:.1f}", flush=True)

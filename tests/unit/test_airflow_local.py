@@ -142,3 +142,39 @@ def test_gc_and_data_quality_follow_the_configured_clock_skew_at_parse_time(monk
     assert data_quality_dag().params["max_clock_skew_s"] == 30 == registry_gc_dag().params["max_clock_skew_s"]
     monkeypatch.delenv("PHOTON_MAX_CLOCK_SKEW_S")
     assert data_quality_dag().params["max_clock_skew_s"] == 10 == registry_gc_dag().params["max_clock_skew_s"]
+
+
+def test_the_console_is_quiet_unless_asked(tmp_path: Path) -> None:
+    """By default the access log and the DAG-parse bookkeeping stay out of the console (warnings kept), and the DAG
+    processor's statistics come every 5 minutes; --access-log brings the access log back, --verbose Airflow's own
+    levels. A caller's own namespace levels come after ours, so they win."""
+    quiet = deployment(tmp_path).options()
+    levels = dict(pair.split("=") for pair in quiet["logging"]["namespace_levels"].split())
+    assert levels == {
+        "http.access": "warning",
+        "airflow.serialization.definitions.dag": "warning",
+        "airflow.models.dag": "warning",
+    }
+    assert quiet["dag_processor"]["print_stats_interval"] == "300"
+    asked = deployment(tmp_path, access_log=True).options()["logging"]["namespace_levels"]
+    assert "http.access" not in asked and "airflow.models.dag=warning" in asked
+    verbose = deployment(tmp_path, verbose=True).options()
+    assert "logging" not in verbose and "dag_processor" not in verbose
+    env = deployment(tmp_path).environment({"AIRFLOW__LOGGING__NAMESPACE_LEVELS": "http.access=info"})
+    assert env["AIRFLOW__LOGGING__NAMESPACE_LEVELS"].endswith(" http.access=info")
+    assert env["AIRFLOW__LOGGING__NAMESPACE_LEVELS"].startswith("airflow.serialization.definitions.dag=warning")
+
+
+def test_the_ready_message_has_url_user_and_password_on_one_line(tmp_path: Path) -> None:
+    from photon.airflow.standalone import ready_lines
+
+    d = deployment(tmp_path, port=18080)
+    d.password_file.parent.mkdir(parents=True)
+    d.password_file.write_text(json.dumps({"admin": "s3cret"}))
+    lines = ready_lines(d, 17.25)
+    assert lines[0] == lines[-1] == "=" * 72  # framed: easy to find in the scroll-back
+    assert lines[1] == "ready after 17.2s: http://127.0.0.1:18080  user admin  password s3cret"
+    assert "without: HTTP access log (--access-log), DAG-parse bookkeeping" in lines[4]
+    assert "without: DAG-parse bookkeeping (" in ready_lines(deployment(tmp_path, access_log=True), 1.0)[4]
+    d.password_file.unlink()
+    assert f"password (see {d.password_file})" in ready_lines(d, 1.0)[1]

@@ -2,13 +2,18 @@
 
 Parse time reads only the environment (``PHOTON_DCS``, ``PHOTON_HOME``, ``PHOTON_TASK_RETRIES``,
 ``PHOTON_JOIN_LEASE_S``, ``PHOTON_MAX_CLOCK_SKEW_S``); paths come from the Variables
-``photon_logs`` and ``photon_out`` (templated, so read when a task runs), endpoints from the connections
+``photon_logs`` and ``photon_out``, a new live pipeline's start from ``photon_join_start`` (templated, so read when a
+task runs), endpoints from the connections
 ``photon_registry_<component>`` (each falling back to ``photon_registry``) and ``spark_default``, tunables from each
 DAG's params (the form the UI shows on "Trigger DAG w/ config").
 
 Each DAG reaches the registry as its own component's login: the joiner and backfill DAGs as ``joiner``,
-photon_verify_recover as ``verifier``, photon_registry_gc as ``gc``, photon_reshard as ``reshard``;
-photon_data_quality reads only the output files.
+photon_verify_recover and photon_finality (which only reads) as ``verifier``, photon_registry_gc as ``gc``,
+photon_reshard as ``reshard``; photon_data_quality reads only the output files.
+
+photon_finality declares each hour final (``photon.tools.completeness``): it writes the marker
+``<out>/_final/<YYYYmmddHH>.json`` and emits an event of the asset ``photon://final/hourly`` (extra: the hour's
+``start`` and ``end``), on which photon_data_quality and any downstream DAG schedule.
 """
 
 from __future__ import annotations
@@ -17,8 +22,16 @@ import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
-from airflow.sdk import DAG, CronDataIntervalTimetable, Param, TriggerRule, task
+from airflow.sdk import (
+    DAG,
+    Asset,
+    BaseSensorOperator,
+    CronDataIntervalTimetable,
+    Param,
+    PokeReturnValue,
+    TriggerRule,
+    task,
+)
 
 from photon.airflow.operators import SPARK_DIR, PhotonSparkSubmitOperator
 
@@ -33,6 +46,8 @@ def data_centers() -> tuple[str, ...]:
 _HOME = os.environ.get("PHOTON_HOME", ".photon")
 LOGS = "{{ var.value.get('photon_logs', '" + os.path.join(_HOME, "logs") + "') }}"
 OUT = "{{ var.value.get('photon_out', '" + os.path.join(_HOME, "out") + "') }}"
+# Where a new live pipeline starts reading: the run's param, else the Variable, else every file in the logs.
+START_AT = "{{ params.start or var.value.get('photon_join_start', 'beginning') }}"
 
 
 def retries() -> dict[str, Any]:
@@ -64,6 +79,10 @@ def clock_skew_s() -> float:
 
 
 JOIN_APP = str(SPARK_DIR / "photon_join.py")
+# One event per hour declared final (extra: start, end, ...). The URI is photon.tools.completeness.FINAL_ASSET_URI
+# (a test holds them equal): that module loads Arrow, which parsing a DAG file must not.
+FINAL_HOURLY = Asset("photon://final/hourly")
+US = 1_000_000
 # Runs that cover an hour (data_interval_start .. data_interval_end), not points in time.
 HOURLY = CronDataIntervalTimetable("0 * * * *", timezone="UTC")
 
@@ -104,6 +123,13 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
                 maximum=300,
                 description="At the lease's end, join on up to this long while the next lease is still starting.",
             ),
+            "start": Param(
+                None,
+                type=["null", "string"],
+                description="Where a NEW pipeline starts reading: 'beginning' (every file in the logs), 'now' or an "
+                "ISO time (UTC); click files before it are history, for photon_backfill. Empty: the Variable "
+                "photon_join_start, else 'beginning'. Recorded when the pipeline is created; ignored after.",
+            ),
         },
         doc_md=__doc__,
     ) as dag:
@@ -114,6 +140,7 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
             [
                 *("--run-for", "{{ params.lease_s }}", "--trigger-interval", "{{ params.trigger_interval_s }}"),
                 *("--hand-over-wait", "{{ params.hand_over_wait_s }}", "--standby"),
+                *("--start", START_AT),
             ],
             timedelta(hours=3),  # a standby waits up to one lease before its own
         )
@@ -180,22 +207,29 @@ def backfill_dag() -> DAG:
 
 
 def data_quality_dag() -> DAG:
-    """A Great Expectations checkpoint over every pipeline's output for the clicks of one interval, once the
-    joiners have had ``settle_min`` minutes to decide them. The task fails when the checkpoint fails; its summary goes
-    to XCom (``return_value`` when it passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``.
-    Completeness: every well-formed click of the interval's click files has exactly one outcome, judged once the
-    interval has settled (before that the task is retried, neither passed nor failed). Latency is judged for the live
-    pipelines only; quarantined lines count for the interval of their log file (read from the logs), so a backfilled
-    hour is judged like a live one (see ``photon.tools.quality``)."""
+    """A Great Expectations checkpoint over every pipeline's output for the clicks of one hour, run when
+    photon_finality declares the hour final (an event of ``photon://final/hourly``; one checkpoint task per hour the
+    run's events name), or by hand for the hour the ``hour`` param names (default: the hour before the run's
+    logical date). The task fails when the checkpoint fails; its summary goes to XCom (``return_value`` when it
+    passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``. Completeness: every well-formed click
+    of the hour's click files has exactly one outcome. A manual run of an hour that has not settled by this host's
+    clock (``settle_margin_s`` past the joiners' deadlines) is retried, neither passed nor failed; a final hour has
+    settled by definition. Latency is judged for the live pipelines only; quarantined lines count for the interval of
+    their log file (read from the logs), so a backfilled hour is judged like a live one (see
+    ``photon.tools.quality``)."""
     with _dag(
         dag_id="photon_data_quality",
-        description="Photon data quality: a GX checkpoint per interval, with Data Docs",
-        schedule=HOURLY,
+        description="Photon data quality: a GX checkpoint per final hour, with Data Docs",
+        schedule=[FINAL_HOURLY],
         max_active_runs=2,
         tags=["photon", "data-quality"],
         default_args={"retries": min(1, retries()["retries"]), "retry_delay": timedelta(minutes=1)},
         params={
-            "settle_min": Param(5, type="integer", minimum=0, description="Wait after the interval before checking."),
+            "hour": Param(
+                None,
+                type=["null", "string"],
+                description="A manual run's UTC hour, e.g. 2026-11-24T13 (empty: the hour before the logical date).",
+            ),
             "max_clock_skew_s": Param(clock_skew_s(), type="number", minimum=0),
             "latency_slo_s": Param(
                 60.0, type="number", minimum=0, description="End-to-end, for most clicks of live pipelines."
@@ -205,21 +239,36 @@ def data_quality_dag() -> DAG:
             "max_quarantine_rate": Param(0.05, type="number", minimum=0),
             "max_join_delay_s": Param(120.0, type="number", minimum=0, description="The joiners' maximum join delay."),
             "settle_margin_s": Param(
-                120.0, type="number", minimum=0, description="Completeness is judged this long after the last deadline."
+                120.0,
+                type="number",
+                minimum=0,
+                description="A manual run judges completeness this long after the last deadline.",
             ),
         },
     ) as dag:
-        # The joiners decide a click within the maximum join delay of its arrival: check once they have (a check that
-        # runs earlier than the interval settles is retried, never judged).
-        settle = TimeDeltaSensor(
-            task_id="settle",
-            delta="{{ params.settle_min }}",  # type: ignore[arg-type]  # templated: rendered to minutes
-            mode="reschedule",
-            poke_interval=60,
-        )
+
+        @task(task_id="intervals")
+        def intervals(**context: Any) -> list[dict[str, Any]]:
+            """The hours to check: those the finality events that triggered the run name (a run consumes every event
+            since the last one), else the manual run's."""
+            events = context["triggering_asset_events"].get(FINAL_HOURLY, [])
+            found = sorted({_event_interval(e.extra) for e in events})
+            if found:
+                return [{"start_us": a, "end_us": b, "declared_final": True} for a, b in found]
+            from photon.tools.completeness import HOUR_US, hour_interval
+
+            hour = context["params"].get("hour")
+            if hour:
+                a, b = hour_interval(str(hour))
+            else:
+                when = context.get("logical_date") or context["dag_run"].run_after
+                b = int(when.timestamp()) * US // HOUR_US * HOUR_US
+                a = b - HOUR_US
+            return [{"start_us": a, "end_us": b, "declared_final": False}]
 
         @task(task_id="checkpoint")
-        def checkpoint(logs: str, out: str, **context: Any) -> dict[str, Any]:
+        def checkpoint(interval: dict[str, Any], logs: str, out: str, **context: Any) -> dict[str, Any]:
+            import time
             from pathlib import Path
 
             from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -236,10 +285,12 @@ def data_quality_dag() -> DAG:
                 max_join_delay_s=float(p["max_join_delay_s"]),
                 settle_margin_s=float(p["settle_margin_s"]),
             )
-            start = int(context["data_interval_start"].timestamp() * 1_000_000)
-            end = int(context["data_interval_end"].timestamp() * 1_000_000)
+            start, end = int(interval["start_us"]), int(interval["end_us"])
+            now = int(time.time() * US)
+            # A declared hour is judged now: finality (read from the registry) is what the settle time guesses at.
+            now = max(now, settings.settled_at_us(end)) if interval["declared_final"] else now
             try:
-                result = check_quality(Path(out), Path(logs), start, end, settings)
+                result = check_quality(Path(out), Path(logs), start, end, settings, now_us=now)
             except NotSettled as exc:  # neither pass nor fail: the retry asks again
                 raise AirflowException(f"data-quality checkpoint not run: {exc}") from exc
             summary = result.summary()
@@ -248,7 +299,101 @@ def data_quality_dag() -> DAG:
                 raise AirflowFailException(f"data-quality checkpoint failed: {'; '.join(result.details)}")
             return summary
 
-        settle >> checkpoint(LOGS, OUT)
+        checkpoint.partial(logs=LOGS, out=OUT).expand(interval=intervals())
+    return dag
+
+
+def _event_interval(extra: dict[str, Any]) -> tuple[int, int]:
+    """[start_us, end_us) of a finality event: photon_finality's extra, or an event made by hand (the UI's "Create
+    Asset Event") naming ``start`` and ``end`` as ISO times."""
+    if "start_us" in extra and "end_us" in extra:
+        return int(extra["start_us"]), int(extra["end_us"])
+    try:
+        a, b = (datetime.fromisoformat(str(extra[k]).replace("Z", "+00:00")) for k in ("start", "end"))
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"a photon://final/hourly event names no interval (start_us and end_us, or start and end): {extra}"
+        ) from None
+    a, b = (t if t.tzinfo else t.replace(tzinfo=UTC) for t in (a, b))
+    return int(a.timestamp() * US), int(b.timestamp() * US)
+
+
+class FinalSensor(BaseSensorOperator):
+    """Waits until the run's data interval is final (``photon.tools.completeness.decide_final``, read as the
+    verifier's login) and pushes the decision; each poke that finds it not final logs why."""
+
+    template_fields = ("logs", "out")
+
+    def __init__(self, *, logs: str, out: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.logs, self.out = logs, out
+
+    def poke(self, context: Any) -> PokeReturnValue:
+        from pathlib import Path
+
+        from photon.airflow.hooks import IdRegistryHook
+        from photon.tools.completeness import FinalitySettings, decide_final, summary
+
+        p = context["params"]
+        decision = decide_final(
+            IdRegistryHook(component="verifier").servers(),
+            Path(self.logs),
+            Path(self.out),
+            int(context["data_interval_start"].timestamp() * US),
+            int(context["data_interval_end"].timestamp() * US),
+            FinalitySettings(float(p["max_join_delay_s"]), float(p["max_clock_skew_s"]), float(p["lost_after_s"])),
+        )
+        self.log.info("%s", summary(decision))
+        for reason in decision.reasons[1:]:
+            self.log.info("  and: %s", reason)
+        return PokeReturnValue(decision.final, decision.to_dict() if decision.final else None)
+
+
+def finality_dag() -> DAG:
+    """Hourly: wait until the hour is final (every click file of it consumed by a pipeline that decides it, no click
+    of it waiting in a live pipeline's retry set or registered by an unpublished batch, by the registry server's
+    clock past its seal and join deadline; ``photon.tools.completeness``), then declare it: the marker
+    ``<out>/_final/<YYYYmmddHH>.json`` and an event of ``photon://final/hourly`` with the hour's ``start``, ``end``
+    and counts. The sensor reschedules itself every minute (no worker slot held while it waits) for up to a day."""
+    with _dag(
+        dag_id="photon_finality",
+        description="Photon completeness: declare each hour final (marker and asset event)",
+        schedule=HOURLY,
+        max_active_runs=6,  # an hour held back (a data center's replica lagging) does not hold back the next ones
+        tags=["photon", "finality"],
+        default_args=retries(),
+        params={
+            "max_join_delay_s": Param(120.0, type="number", minimum=0, description="The joiners' maximum join delay."),
+            "max_clock_skew_s": Param(clock_skew_s(), type="number", minimum=0),
+            "lost_after_s": Param(
+                600.0,
+                type="number",
+                minimum=0,
+                description="A data center none of whose pipelines heartbeated for this long is lost: not waited for.",
+            ),
+        },
+    ) as dag:
+        wait = FinalSensor(
+            task_id="wait_final",
+            logs=LOGS,
+            out=OUT,
+            mode="reschedule",
+            poke_interval=60,
+            timeout=timedelta(days=1),
+        )
+
+        @task(task_id="declare_final", outlets=[FINAL_HOURLY])
+        def declare(decision: dict[str, Any], out: str, **context: Any) -> dict[str, Any]:
+            from pathlib import Path
+
+            from photon.tools.completeness import Finality, write_marker
+
+            path, marker = write_marker(Path(out), Finality.from_dict(decision))
+            extra = {k: marker[k] for k in ("start", "end", "start_us", "end_us", "click_files", "input_clicks")}
+            context["outlet_events"][FINAL_HOURLY].extra = extra | {"marker": str(path)}
+            return extra | {"marker": str(path)}
+
+        declare(wait.output, OUT)  # type: ignore[arg-type]  # an XComArg, resolved to the decision at run time
     return dag
 
 

@@ -33,7 +33,8 @@ def dsn_from_connection(conn: Any) -> str:
         "dbname": conn.schema or "postgres",
     }
     extra = conn.extra_dejson or {}
-    for key in ("sslmode", "sslrootcert", "connect_timeout", "application_name"):
+    # target_session_attrs: a host list (host "pg1,pg2,pg3") reaches whichever node is the primary.
+    for key in ("sslmode", "sslrootcert", "connect_timeout", "application_name", "target_session_attrs"):
         if key in extra:
             parts[key] = extra[key]
 

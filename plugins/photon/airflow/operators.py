@@ -5,7 +5,9 @@ entry points (``spark/``), with what every such job needs added at execution tim
   ``photon_registry_joiner``, else ``photon_registry``), in spark-submit's environment rather than on its command
   line, so they never show in the UI or the process list; the executors get them from the driver;
 - the core package on the driver's and executors' ``PYTHONPATH``, and the same Python for both;
-- ``spark-submit`` itself from the environment Airflow runs in.
+- ``spark-submit`` itself from the environment Airflow runs in;
+- the driver's log at WARN from its first line (``photon.spark_session.driver_java_options``): Spark's INFO start-up
+  would otherwise fill the task log before its first batch line.
 
 On a cluster whose workers do not share this machine's paths, ship the package with ``py_files`` instead (the
 Docker image puts the project at the same path everywhere).
@@ -21,6 +23,7 @@ from typing import Any
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from photon.airflow.hooks import Component, IdRegistryHook, component_conn_id
+from photon.spark_session import driver_java_options
 
 PLUGINS_DIR = str(Path(__file__).resolve().parents[2])
 PROJECT_DIR = str(Path(PLUGINS_DIR).parent)
@@ -59,6 +62,7 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
         self.conf = {
             "spark.executorEnv.PYTHONPATH": env["PYTHONPATH"],
             "spark.pyspark.python": sys.executable,
+            "spark.driver.extraJavaOptions": driver_java_options(),
             **(self.conf or {}),
         }
         super().execute(context)

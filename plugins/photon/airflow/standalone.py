@@ -8,6 +8,13 @@
 - The four components run as separate processes, each in its own session: ``api-server`` (bound to 127.0.0.1 unless
   told otherwise), ``scheduler``, ``dag-processor`` and ``triggerer``; the scheduler and the triggerer without their
   log servers (the API server reads task logs from the local files; a log server listens on every interface).
+- Quiet by default: the API server's HTTP access log (a line per request: every UI poll, every task heartbeat) and
+  the DAG processor's per-parse bookkeeping are left out of the console, their warnings and errors kept
+  (``QUIET_LOGGERS``); the DAG processor's statistics come every 5 minutes instead of 30 s. ``access_log`` brings the
+  access log back, ``verbose`` all of Airflow's defaults. The tasks' own lines (a joiner's batch lines) still show:
+  the LocalExecutor copies every task's log to the scheduler's output whatever the levels say. Once the API server
+  answers and the components' start-up output has died down, the line with the URL, user and password comes last,
+  framed.
 - SIGINT or SIGTERM stops all of it: the scheduler, DAG processor and triggerer first (the task supervisors forward
   SIGTERM to their tasks, whose ``on_kill`` stops spark-submit), then the API server, which the tasks report their end
   to; whatever is left of the process tree (a task runs in its own process group, Spark's JVM and Python workers
@@ -30,7 +37,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -46,6 +53,13 @@ WORKERS: dict[str, list[str]] = {
 }
 ROOT = Path(__file__).resolve().parents[3]
 PR_SET_CHILD_SUBREAPER = 36
+# Loggers whose INFO lines the console leaves out (Airflow's ``[logging] namespace_levels``): the access log, and the
+# bookkeeping of every DAG parse (some 40 lines a minute: "setting next dagrun info" and the like).
+ACCESS_LOGGER = "http.access"
+QUIET_LOGGERS = ("airflow.serialization.definitions.dag", "airflow.models.dag")
+QUIET_STATS_INTERVAL_S = 300  # the DAG processor's table of files parsed (Airflow's default: every 30 s)
+SETTLE_S = 2.0  # the ready line waits for this long a silence of the components' output...
+SETTLE_MAX_S = 15.0  # ... but no longer than this after the API server first answers
 
 
 _OUTPUT = threading.Lock()  # one line at a time: the components' relays and this process's own messages
@@ -115,6 +129,8 @@ class LocalAirflow:
     port: int = 8080
     parallelism: int = 8
     grace_s: float = 30.0
+    access_log: bool = False
+    verbose: bool = False
 
     @property
     def url(self) -> str:
@@ -138,6 +154,17 @@ class LocalAirflow:
             },
             "database": {"sql_alchemy_conn": self.metadata_url},
             "api": {"host": self.host, "port": str(self.port)},
+            **self.logging_options(),
+        }
+
+    def logging_options(self) -> dict[str, dict[str, str]]:
+        """What the console leaves out (see the module's docstring); nothing when ``verbose``."""
+        if self.verbose:
+            return {}
+        quiet = [*QUIET_LOGGERS, *(() if self.access_log else (ACCESS_LOGGER,))]
+        return {
+            "logging": {"namespace_levels": " ".join(f"{name}=warning" for name in quiet)},
+            "dag_processor": {"print_stats_interval": str(QUIET_STATS_INTERVAL_S)},
         }
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -150,6 +177,9 @@ class LocalAirflow:
             for section, values in self.options().items()
             for key, value in values.items()
         }
+        levels = "AIRFLOW__LOGGING__NAMESPACE_LEVELS"
+        if base.get(levels) and levels in env and env[levels] != base[levels]:
+            env[levels] = f"{env[levels]} {base[levels]}"  # the caller's levels after ours: theirs win
         if "AIRFLOW_CONN_SPARK_DEFAULT" not in base:
             # local[*]: the Spark driver started by spark-submit stays on loopback (the default is the address the
             # hostname resolves to, reachable from outside). A cluster's spark_default keeps the machine's address.
@@ -265,6 +295,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._threads: list[threading.Thread] = []
         self._seen: dict[int, float] = {}  # every descendant seen: pid -> create time (a reused pid is not ours)
+        self.last_output = time.monotonic()  # when a component last printed a line
 
     def say(self, name: str, line: str) -> None:
         emit(name, line, self.out)
@@ -295,6 +326,7 @@ class Supervisor:
         assert proc.stdout is not None
         for raw in proc.stdout:
             self.say(name, raw.decode("utf-8", "replace").rstrip())
+            self.last_output = time.monotonic()
 
     def exited(self) -> dict[str, int]:
         return {name: rc for name, p in self.procs.items() if (rc := p.poll()) is not None}
@@ -422,19 +454,26 @@ def run(deployment: LocalAirflow, *, say: Callable[[str], None], stopping: threa
         sup.migrate()  # the first airflow command also writes AIRFLOW_HOME/airflow.cfg with Airflow's defaults
         write_config(deployment.config_file, deployment.options())
         sup.start()
+        healthy_at: float | None = None
         ready = False
         while True:
             if gone := sup.exited():
                 say(f"stopping: {', '.join(f'{n} exited with status {rc}' for n, rc in gone.items())}")
                 status = next(iter(gone.values())) or 1
                 break
-            if not ready and is_healthy(health(deployment.url)):
-                ready = True
-                took = time.monotonic() - started
-                say(f"ready after {took:.1f}s: {deployment.url} (user admin, {password_hint(deployment)})")
-                say(f"other airflow commands: AIRFLOW_HOME={deployment.airflow_home} airflow ...")
+            if healthy_at is None and is_healthy(health(deployment.url)):
+                healthy_at = time.monotonic()
+            now = time.monotonic()
+            if (
+                not ready
+                and healthy_at is not None
+                and (now - sup.last_output >= SETTLE_S or now - healthy_at >= SETTLE_MAX_S)
+            ):
+                ready = True  # last, once the components' start-up lines are out: the lines a newcomer looks for
+                for line in ready_lines(deployment, healthy_at - started):
+                    say(line)
             sup.tree()  # keep the record of descendants current, reap zombies
-            time.sleep(1.0)
+            time.sleep(0.25 if healthy_at is not None and not ready else 1.0)
     except _Stop as sig:
         say(f"{sig}: stopping every Airflow process")
     except RuntimeError as exc:
@@ -450,12 +489,26 @@ def run(deployment: LocalAirflow, *, say: Callable[[str], None], stopping: threa
     return status
 
 
-def password_hint(deployment: LocalAirflow) -> str:
+def ready_lines(deployment: LocalAirflow, took_s: float) -> list[str]:
+    """The ready message: URL, user and password on one line, framed so that it stands out."""
     try:
-        passwords = json.loads(deployment.password_file.read_text())
-        return f"password {passwords['admin']}, kept in {deployment.password_file}"
+        password = str(json.loads(deployment.password_file.read_text())["admin"])
     except (OSError, ValueError, KeyError, TypeError):
-        return f"password in {deployment.password_file}"
+        password = f"(see {deployment.password_file})"
+    rule = "=" * 72
+    if deployment.verbose:
+        console = "  console: Airflow's own log levels (--verbose)"
+    else:
+        left_out = ([] if deployment.access_log else ["HTTP access log (--access-log)"]) + ["DAG-parse bookkeeping"]
+        console = f"  quiet console, without: {', '.join(left_out)} (--verbose: Airflow's own levels)"
+    return [
+        rule,
+        f"ready after {took_s:.1f}s: {deployment.url}  user admin  password {password}",
+        f"  the password is kept in {deployment.password_file}",
+        f"  other airflow commands: AIRFLOW_HOME={deployment.airflow_home} airflow ...",
+        console,
+        rule,
+    ]
 
 
 def serve(
@@ -465,6 +518,8 @@ def serve(
     parallelism: int | None = None,
     metadata_db: str = "airflow",
     grace_s: float = 30.0,
+    access_log: bool = False,
+    verbose: bool = False,
     say: Callable[[str], None] = lambda line: emit("photon", line),
 ) -> int:
     """``photon airflow``: the registry (initialised), Airflow's metadata database beside it, the components; returns
@@ -496,6 +551,8 @@ def serve(
                 port=port,
                 parallelism=parallelism or default_parallelism(len(data_centers())),
                 grace_s=grace_s,
+                access_log=access_log,
+                verbose=verbose,
             )
             env = deployment.environment()
             say(f"registry: {redact(servers['main'])}")
@@ -536,3 +593,64 @@ def redact_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # an unparsable URL is Airflow's to reject
         return "<sql_alchemy_conn>"
+
+
+def airflow_cli(args: Sequence[str]) -> int:
+    """``photon airflow-cli ARGS``: the ``airflow`` command beside this Python, run with ``ARGS`` against the
+    deployment ``photon airflow`` runs, so that a plain shell needs neither the venv on ``PATH`` nor the right
+    ``AIRFLOW_HOME``: that home (``AIRFLOW_HOME``, else ``PHOTON_HOME/airflow``, as ``serve`` picks it) and the
+    environment the components get (connections, Variables, ``PYTHONPATH``). Its ``airflow.cfg``, which ``serve``
+    wrote, decides every Airflow setting. Without ``PHOTON_REGISTRY_DSN`` the embedded PostgreSQL, which holds
+    Airflow's metadata, is held while the command runs (started if ``photon airflow`` is not running), so that
+    ``airflow dags test`` or ``airflow dags list-runs`` work on their own too. Returns the command's exit status."""
+    from photon.pg import EmbeddedPostgres
+    from photon.registry.client import servers_from_settings
+    from photon.settings import load_settings
+
+    settings = load_settings()
+    home = settings.home.resolve()
+    airflow_home = Path(os.environ.get("AIRFLOW_HOME", str(home / "airflow"))).resolve()
+    if not (airflow_home / "airflow.cfg").is_file():
+        raise RuntimeError(
+            f"no Airflow in {airflow_home} yet (no airflow.cfg): start it once with `make airflow` (photon airflow), "
+            "which writes its settings there"
+        )
+    embedded: EmbeddedPostgres | None = None
+    try:
+        if settings.registry_dsn is None:
+            embedded = EmbeddedPostgres(home / "postgres")
+            settings = settings.model_copy(update={"registry_dsn": embedded.start()})
+        deployment = LocalAirflow(
+            airflow_home=airflow_home, photon_home=home, metadata_url="", registry=servers_from_settings(settings)
+        )
+        # Airflow's own settings come from airflow.cfg (as serve wrote them: its port, its metadata database), not
+        # from this deployment's defaults; the caller's AIRFLOW__* settings still win, as they would for `airflow`.
+        env = {k: v for k, v in deployment.environment().items() if not k.startswith("AIRFLOW__") or k in os.environ}
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "airflow"), *args], env=env)
+        with _forward_signals(proc):
+            status = proc.wait()
+        return status if status >= 0 else 128 - status  # killed by a signal: the shell's convention
+    finally:
+        if embedded is not None:
+            embedded.stop()  # stops the server only if no other process (photon airflow) holds it
+
+
+@contextlib.contextmanager
+def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """While ``proc`` runs: Ctrl-C reaches it from the terminal (same process group), so this process ignores SIGINT
+    and waits for it to end; SIGTERM and SIGHUP sent to this process alone are passed on to it."""
+
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, forward),
+    }
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, time_bound_s
 
@@ -48,6 +48,12 @@ JOIN_COUNTS = (
 RECOVERED_PREFIX = "recovered-"  # the verifier's re-dispatched clicks: taken first, their deadline from then
 AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
 
+# Where a new live pipeline starts reading (README, "Where a live pipeline starts"): every file in the logs, the
+# registry server's clock when the pipeline is created, or a time in epoch microseconds.
+BEGINNING: Literal["beginning"] = "beginning"
+NOW: Literal["now"] = "now"
+Start = Literal["beginning", "now"] | int
+
 
 @dataclass(frozen=True)
 class JoinSettings:
@@ -75,6 +81,9 @@ class JoinSettings:
     # Every clock is off from true time by at most this much (EVENTS.md): a lease whose host is further from the
     # registry server's refuses to run; the seal follows it (settings.time_bound_s).
     max_clock_skew_s: float = MAX_CLOCK_SKEW_S
+    # Where a new live pipeline starts reading (``Start``). Recorded in the registry when the pipeline is created and
+    # read back by every lease after: a pipeline's start never moves. A backfill's window is its range instead.
+    start: Start = BEGINNING
 
     @property
     def seal_s(self) -> float:

@@ -1,6 +1,17 @@
 """Which log files a batch takes: listing the new closed files from the pipeline's marks on, waiting for a copy still
-being written to settle, noticing a consumed file that changed, moving the listing marks past sealed partitions, and
-a backfill's window. Driver side; one ``Discovery`` per joiner, kept across its leases."""
+being written to settle, noticing a consumed file that changed, moving the listing marks past sealed partitions, a
+backfill's window and where a live pipeline starts. Driver side; one ``Discovery`` per joiner, kept across its
+leases.
+
+Where a live pipeline starts (README, "Where a live pipeline starts"): a pipeline created with a start ``S`` takes
+every click file that arrived in ``partition_of(S)`` or later, whatever its events' time (a replica catching up, a
+recovered file: the rules for late files hold as before), and a click file that arrived earlier only if its first
+event is stamped at or after ``S``. Every other click file is history, a backfill's: its first event lies before
+``S``, in an hour that starts before ``S``, and a backfill of that hour lists the partition it arrived in. So each
+click file belongs to the live pipeline or to the backfill of one hour, and a file in both (a late arrival) is let
+into the output once by the registry. Its queries: those that arrived from the start on it consumes itself, those
+before come from the data center's shared query index (``query_index``), as a backfill's do.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +21,16 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from photon.joiner.common import AS_IT_IS, RECOVERED_PREFIX, US, JoinSettings
 from photon.joiner.eventstore import open_regular
 from photon.joiner.tasks import ends_whole
-from photon.logs.layout import list_closed, part_of_name, partition_of, sealed_before
+from photon.logs.layout import MINUTE_US, list_closed, part_of_name, partition_of, partition_start_us, sealed_before
 from photon.logs.schemas import RAW_CAP_BYTES
 from photon.registry.clock import ServerClock
 
@@ -31,6 +45,7 @@ class Discovery:
         # Per kind, the oldest log partition still to list (layout.py); None: every partition.
         self.marks: dict[str, str | None] = {"queries": None, "clicks": None}
         self.next_marks: dict[str, str | None] = dict(self.marks)  # the marks the next batch commits
+        self.start_us: int | None = None  # where this live pipeline started (None: the beginning of the logs)
         self._first_ts: dict[Path, int] = {}
         # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
         # reported once (``changed``, quarantined by the next batch), never silently left half read.
@@ -43,18 +58,23 @@ class Discovery:
         self._not_files: set[tuple[str, str]] = set()
         self._whole: dict[tuple[str, str], tuple[int, int, int]] = {}  # listed, not consumed, seen whole: as stat-ed
 
-    def restart(self, marks: dict[str, str | None], consumed: set[tuple[str, str]]) -> None:
-        """At a lease's start: the marks and consumed files as committed (or where a new pipeline starts)."""
+    def restart(
+        self, marks: dict[str, str | None], consumed: set[tuple[str, str]], start_us: int | None = None
+    ) -> None:
+        """At a lease's start: the marks and consumed files as committed (or where a new pipeline starts), and the
+        start the pipeline was created with."""
         self.marks = marks
         self.next_marks = dict(self.marks)
         self.consumed = consumed
+        self.start_us = None if self.s.window_start_us is not None else start_us
 
-    def first_marks(self) -> dict[str, str | None]:
-        """Where a new pipeline starts listing: everything, or for a backfill window the partitions its files can
-        have arrived in (a file arrives after its first event, give or take the clock skew)."""
+    def first_marks(self, start_us: int | None, now_us: int) -> dict[str, str | None]:
+        """Where a new pipeline starts listing: for a backfill window the partitions its files can have arrived in (a
+        file arrives after its first event, give or take the clock skew); for a live pipeline, from its start
+        (``start_marks``) by the registry server's clock ``now_us``."""
         s = self.s
         if s.window_start_us is None:
-            return {"queries": None, "clicks": None}
+            return start_marks(start_us, now_us, s.seal_s)
         seal = int(self.s.seal_s * US)
         first_query = s.window_start_us - int((s.max_join_delay_s + s.window_margin_s) * US)
         return {"queries": partition_of(first_query - seal), "clicks": partition_of(s.window_start_us - seal)}
@@ -95,10 +115,14 @@ class Discovery:
                     settling.append(f.rel)
                     continue
                 new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
-            chosen = [n for _, _, n in sorted(new) if self._in_window(kind, folder / n)]
-            chosen = chosen[:cap] if cap is not None else chosen
+            mine = [n for _, _, n in sorted(new) if self._in_window(kind, folder, n)]
+            chosen = mine[:cap] if cap is not None else mine
             taken = set(chosen)
-            left = [p for _, _, n in new if n not in taken and (p := part_of_name(n)) is not None]
+            # A live pipeline's history before its start is never its own (a closed file's first event never
+            # changes): it does not hold the mark back, or every trigger would list from there for good. A backfill's
+            # files outside its window do, as before: its re-run lists its window's whole arrival range again.
+            held = [n for _, _, n in new] if self.s.window_start_us is not None else mine
+            left = [p for n in held if n not in taken and (p := part_of_name(n)) is not None]
             left += [p for n in settling if (p := part_of_name(n)) is not None]
             mark = min([*left, sealed])
             # Never back: the lease before found everything behind its mark sealed and consumed, and this lease
@@ -182,17 +206,28 @@ class Discovery:
         mark = self.marks.get(rel.parts[0])
         return mark is not None and f"{rel.parts[1]}/{rel.parts[2]}" < mark
 
-    def _in_window(self, kind: str, path: Path) -> bool:
+    def _in_window(self, kind: str, folder: Path, rel: str) -> bool:
+        """Whether a listed file is this pipeline's: in a backfill's window, or not history before a live pipeline's
+        start (``is_after_start``)."""
         s = self.s
-        if s.window_start_us is None or s.window_end_us is None:
+        path = folder / rel
+        try:
+            if s.window_start_us is None or s.window_end_us is None:
+                if self.start_us is None or kind != "clicks":
+                    return True
+                return is_after_start(rel, self.start_us, lambda: self._first_event(path))
+            start, end = s.window_start_us, s.window_end_us
+            if kind == "queries":
+                start -= int((s.max_join_delay_s + s.window_margin_s) * US)
+                end += int(s.window_margin_s * US)
+            return start <= self._first_event(path) < end
+        except OSError:  # gone or unreadable since it was listed: the batch's reading of it decides (and says)
             return True
-        start, end = s.window_start_us, s.window_end_us
-        if kind == "queries":
-            start -= int((s.max_join_delay_s + s.window_margin_s) * US)
-            end += int(s.window_margin_s * US)
+
+    def _first_event(self, path: Path) -> int:
         if path not in self._first_ts:
             self._first_ts[path] = first_event_us(path)
-        return start <= self._first_ts[path] < end
+        return self._first_ts[path]
 
     def committed(
         self,
@@ -215,6 +250,100 @@ class Discovery:
             }
             self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
             self._read_sizes = {f: v for f, v in self._read_sizes.items() if f in self.consumed}
+
+
+def start_marks(start_us: int | None, now_us: int, seal_s: float) -> dict[str, str | None]:
+    """Where a new live pipeline that started at ``start_us`` (None: the beginning of the logs) lists from, by the
+    registry server's clock ``now_us``. Clicks: from the partition a file whose first event is at the start can have
+    arrived in (``seal_s`` before it: a file arrives after its events, give or take the clock skew), so that such a
+    file that arrived a little before the start is found (``is_after_start``). Queries: from there too, or from the
+    oldest partition not sealed yet if that is earlier (a start in the future or in the last minute): every older
+    query partition is sealed, hence complete in the shared query index (``query_index_range``), and every later
+    one is consumed by the pipeline itself."""
+    if start_us is None:
+        return {"queries": None, "clicks": None}
+    clicks = partition_of(start_us - int(seal_s * US))
+    return {"queries": min(clicks, sealed_before(now_us, seal_s)), "clicks": clicks}
+
+
+def query_index_range(start_us: int, seal_s: float) -> str:
+    """The last query partition (inclusive) that a live pipeline started at ``start_us`` looks up in the shared query
+    index rather than consuming: the one before its click mark (``start_marks``)."""
+    return partition_of(partition_start_us(partition_of(start_us - int(seal_s * US))) - MINUTE_US)
+
+
+def is_after_start(rel: str, start_us: int, first_event: Callable[[], int]) -> bool:
+    """Whether click file ``rel`` (``<YYYYmmdd>/<HHMM>/<name>``) belongs to a live pipeline started at ``start_us``,
+    not to the backfills of the history before it: it arrived in the start's partition or later (a late file
+    included), or its first event (``first_event()``, read only then) is stamped at or after the start. A file
+    directly in ``clicks/`` (no partition) goes by its first event."""
+    part = part_of_name(rel)
+    return (part is not None and part >= partition_of(start_us)) or first_event() >= start_us
+
+
+def oldest_partition(folder: Path) -> str | None:
+    """The oldest partition of ``folder`` (``<logs>/<dc>/<kind>``) holding a closed file; None if there is none."""
+    for f in list_closed(folder):
+        if f.part is not None:
+            return f.part
+    return None
+
+
+def history_left(
+    cur: Any,
+    folder: Path,
+    start_us: int,
+    pipelines: list[str],
+    seal_s: float,
+    *,
+    since: str | None = None,
+    cap: int = 1_000,
+) -> dict[str, Any]:
+    """The history before a live pipeline's start that no pipeline has consumed: the click files of ``folder``
+    (``<logs>/<dc>/clicks``) that are not the live pipeline's (``is_after_start``) and are in no consumed-file record
+    of ``pipelines`` (every pipeline of the data center: the live one, its backfills), from partition ``since`` on
+    (the registry's horizon: GC forgets older records, and their clicks are past the registry's memory). Each is a
+    click file nobody joined yet: the backfill of the hour of its first event has not run (or not since it arrived).
+    Reads the first event of at most ``cap`` of them, to name their hours (UTC, ``YYYY-mm-ddTHH``). ``cur``: a
+    cursor on the registry's main server."""
+    start_part = partition_of(start_us)
+    listed_from = start_marks(start_us, start_us, seal_s)["clicks"] or ""  # the live pipeline lists from here
+    listed = []
+    for f in list_closed(folder, since):
+        if f.part is not None and f.part >= start_part:
+            break  # partitions come oldest first: from here on every file is the live pipeline's
+        listed.append(f.rel)
+    cur.execute(
+        "SELECT DISTINCT name FROM photon.consumed_files WHERE kind = 'clicks' AND pipeline = ANY(%s)"
+        " AND (part IS NULL OR (part < %s AND (%s::text IS NULL OR part >= %s)))",
+        (pipelines, start_part, since, since),
+    )
+    consumed = {str(n) for (n,) in cur.fetchall()}
+    left = []
+    for rel in listed:
+        if rel in consumed:
+            continue
+        part = part_of_name(rel)
+        if part is not None and part < listed_from:  # never listed by the live pipeline: history, unread
+            left.append(rel)
+            continue
+        try:
+            if not is_after_start(rel, start_us, partial(first_event_us, folder / rel)):
+                left.append(rel)
+        except OSError:  # gone since it was listed: nothing to join
+            continue
+    hours: set[str] = set()
+    for rel in left[:cap]:
+        with contextlib.suppress(OSError):
+            hours.add(datetime.fromtimestamp(first_event_us(folder / rel) // US, tz=UTC).strftime("%Y-%m-%dT%H"))
+    return {
+        "start_us": start_us,
+        "since": since,
+        "files": len(left),
+        "hours": sorted(hours),
+        "unread": max(0, len(left) - cap),  # files beyond the cap, whose hours are not named
+        "last_partition": part_of_name(left[-1]) if left else None,
+    }
 
 
 def _marks_before(marks: dict[str, str | None], skipped: set[tuple[str, str]]) -> dict[str, str | None]:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from photon.durable import check_parquet
 from photon.joiner.adapter import load_adapter
 from photon.joiner.batch import BatchRunner
 from photon.joiner.common import (
+    BEGINNING,
     HOLD_POLL_S,
     RECOVER_RETRIES,
     SUCCESSOR_WAIT_S,
@@ -30,9 +32,10 @@ from photon.joiner.common import (
     JoinSettings,
     batch_tag,
 )
-from photon.joiner.discovery import Discovery
+from photon.joiner.discovery import Discovery, oldest_partition, query_index_range
 from photon.joiner.eventstore import RECOVER_STORE, read_store_file
 from photon.joiner.state import Lease, PipelineState
+from photon.logs.layout import partition_start_us
 from photon.registry.clock import ClockSkewError, ServerClock
 
 log = logging.getLogger(__name__)
@@ -103,7 +106,10 @@ class Joiner:
         lease holds the pipeline (one that started more than ``overdue_after_s`` ago is fenced all the same)."""
         self.clock.measure()  # a host whose clock is off more than the skew takes no lease (ClockSkewError)
         self.clock.check()
-        lease = self.state.start_lease(unless_live_within_s=unless_live_within_s, overdue_after_s=overdue_after_s)
+        start = BEGINNING if self.s.window_start_us is not None else self.s.start  # a backfill has its window
+        lease = self.state.start_lease(
+            unless_live_within_s=unless_live_within_s, overdue_after_s=overdue_after_s, start=start
+        )
         if lease is None:
             return None
         self.lease = lease
@@ -124,14 +130,24 @@ class Joiner:
             for d in retries.iterdir():
                 if d.name not in keep:
                     shutil.rmtree(d, ignore_errors=True)
-        marks = self.state.marks() if committed else self.discovery.first_marks()
-        self.discovery.restart(marks, self.state.consumed(marks))
+        now = self.clock.now_us()
+        marks = self.state.marks() if committed else self.discovery.first_marks(lease.start_us, now)
+        self.discovery.restart(marks, self.state.consumed(marks), lease.start_us)
+        if not committed:
+            self._say_where_it_starts(lease.start_us, marks, now)
+        if isinstance(self.s.start, int) and self.s.window_start_us is None and self.s.start != lease.start_us:
+            log.warning(
+                "%s: started at %s when it was created; the start asked for now (%s) is ignored: a pipeline's start "
+                "never moves",
+                *(self.pipeline, "the beginning" if lease.start_us is None else _when(lease.start_us)),
+                _when(self.s.start),
+            )
         self.batches.last_batch = self.lease.last_batch
         last = max(committed, default=None)
         retry = self.state_dir / "retries" / batch_tag(*last) if last else None
         self.batches.retry_dir = retry if retry and retry.is_dir() else None
         _check_state(self.batches.retry_dir, self.state_dir / "eventstore", self.clock.now_us(), self.s.bucket_s)
-        self._prepare_lookups()
+        self._prepare_lookups(lease.start_us, new_pipeline=not committed)
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 
@@ -155,10 +171,37 @@ class Joiner:
         if self.lease is not None:
             self.state.release(self.lease)
 
-    def _prepare_lookups(self) -> None:
+    def _say_where_it_starts(self, start_us: int | None, marks: Mapping[str, str | None], now_us: int) -> None:
+        """A new live pipeline says where it starts reading, once per lease until its first commit; one that starts
+        at the beginning of logs holding history warns that it joins that history itself, at its age."""
+        if self.s.window_start_us is not None:
+            return
+        if start_us is not None:
+            log.info(
+                "%s: a new pipeline, started at %s (recorded in the registry): it lists clicks from partition %s "
+                "and queries from %s; click files before its start are history, for photon_backfill (the hours "
+                "that start before %s)",
+                *(self.pipeline, _when(start_us), marks["clicks"], marks["queries"], _when(start_us)),
+            )
+            return
+        oldest = oldest_partition(self.logs / self.dc / "clicks")
+        oldest_us = now_us if oldest is None else partition_start_us(oldest)
+        if now_us - oldest_us > (self.s.max_join_delay_s + self.s.seal_s + 60) * US:  # more than what is in flight
+            log.warning(
+                "%s: a new pipeline, started at the beginning of the logs: it joins their history itself, from "
+                "%s (%.1f h ago), at that latency; to leave history to photon_backfill, start it with --start now "
+                '(or a time) instead (README, "Where a live pipeline starts")',
+                *(self.pipeline, _when(oldest_us), (now_us - oldest_us) / US / 3600),
+            )
+        else:
+            log.info("%s: a new pipeline, started at the beginning of the logs", self.pipeline)
+
+    def _prepare_lookups(self, start_us: int | None = None, *, new_pipeline: bool = False) -> None:
         """At a lease's start: read the registry's horizon, prune the pipeline's EventStore behind it, and for a
         backfill make sure the data center's shared query index covers every sealed query partition from the horizon
-        to the window's end plus the maximum join delay and margins (only partitions not yet indexed are parsed)."""
+        to the window's end plus the maximum join delay and margins (only partitions not yet indexed are parsed).
+        A live pipeline created with a start looks up the shared index for the queries that arrived before it; until
+        its first commit (``new_pipeline``) its lease makes sure the index covers them (``discovery.start_marks``)."""
         from photon.joiner.query_index import ensure_indexed, index_range, index_root, prune, registry_horizon_us
 
         skew = self.s.max_clock_skew_s
@@ -166,12 +209,22 @@ class Joiner:
         pruned = prune(self.state_dir / "eventstore", self.batches.horizon_us, self.s.bucket_s, skew)
         if pruned.buckets:
             log.info("%s: EventStore pruned behind the registry's horizon: %s", self.pipeline, pruned)
-        if self.s.window_end_us is None:
+        if self.s.window_end_us is None and start_us is None:
             return
         self.batches.shared_index = index_root(self.out, self.dc)
+        if self.s.window_end_us is None and not new_pipeline:
+            # Every query partition before the pipeline's first query mark was sealed, and so indexed, by the lease
+            # that committed its first batch; every later one it consumes itself.
+            return
         pruned = prune(self.batches.shared_index, self.batches.horizon_us, self.s.bucket_s, skew)
-        after_s = self.s.max_join_delay_s + 2 * self.s.window_margin_s + self.s.seal_s
-        first, last = index_range(self.s.window_end_us, self.batches.horizon_us, after_s, skew)
+        if self.s.window_end_us is None:
+            assert start_us is not None
+            # From the oldest partition the horizon keeps (the window end given does not bound ``first``).
+            first = index_range(start_us, self.batches.horizon_us, 0.0, skew)[0]
+            last = query_index_range(start_us, self.s.seal_s)
+        else:
+            after_s = self.s.max_join_delay_s + 2 * self.s.window_margin_s + self.s.seal_s
+            first, last = index_range(self.s.window_end_us, self.batches.horizon_us, after_s, skew)
         t0 = time.monotonic()
         built = ensure_indexed(
             self.spark,
@@ -364,6 +417,11 @@ class Term:
             self.holding = True
         self.held_s = max(0.0, now - deadline)
         return False
+
+
+def _when(us: int) -> str:
+    """A time in a log line: UTC, to the second."""
+    return datetime.fromtimestamp(us / US, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _check_state(retry_dir: Path | None, store: Path, now_us: int, bucket_s: int) -> None:

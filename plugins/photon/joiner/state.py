@@ -26,8 +26,9 @@ from typing import Any
 
 from psycopg2.extras import execute_values
 
+from photon.joiner.common import BEGINNING, NOW, Start
 from photon.logs.layout import part_of_name
-from photon.pg import across_failover, autocommit, connect
+from photon.pg import across_failover, autocommit, connect, sync_barrier
 from photon.registry.owners import Token
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class Lease:
     epoch: int
     owner_id: int
     last_batch: int  # last committed batch when the lease started
+    # Where the pipeline started reading, as recorded when it was created: epoch microseconds, or None for the
+    # beginning of the logs (discovery.start_marks).
+    start_us: int | None = None
 
     def token(self, batch_seq: int) -> Token:
         # The token names (pipeline, batch), not the lease: a lease that re-runs batch k after a crash finds the
@@ -82,18 +86,26 @@ class PipelineState:
         self.pipeline = pipeline
 
     def start_lease(
-        self, *, unless_live_within_s: float | None = None, overdue_after_s: float | None = None
+        self,
+        *,
+        unless_live_within_s: float | None = None,
+        overdue_after_s: float | None = None,
+        start: Start = BEGINNING,
     ) -> Lease | None:
-        # Again after a failover: a lease whose COMMIT was lost only fences itself (a new epoch, never used).
-        return across_failover(lambda: self._start_lease(unless_live_within_s, overdue_after_s))
+        # Again after a failover: a lease whose COMMIT was lost only fences itself (a new epoch, never used), and a
+        # pipeline whose creation was lost is created again (its start, "now", read again: nothing consumed yet).
+        return across_failover(lambda: self._start_lease(unless_live_within_s, overdue_after_s, start))
 
-    def _start_lease(self, unless_live_within_s: float | None, overdue_after_s: float | None) -> Lease | None:
+    def _start_lease(
+        self, unless_live_within_s: float | None, overdue_after_s: float | None, start: Start
+    ) -> Lease | None:
         """Take a new epoch (fencing the lease before). With ``unless_live_within_s``, only if no lease holds the
         pipeline with a heartbeat that recent (a standby must not fence the lease another standby just took):
         None if one does. With ``overdue_after_s`` too, a live lease that started longer ago than that is fenced
         all the same (it holds on past its term), but never one that started since: two standbys that both found
         one lease overdue fence it once, and the second finds the first one's fresh lease and waits for its term.
-        Both decided by the server's clock, under the pipeline's lock."""
+        Both decided by the server's clock, under the pipeline's lock. A pipeline created here records ``start``
+        (``now``: the server's clock, in this transaction); an existing one keeps the start it was created with."""
         holder = holder_name()
         conn = connect(self.dsn, application_name=f"photon-join-{self.pipeline}")
         try:
@@ -121,24 +133,31 @@ class PipelineState:
                     )
                     owner_id = cur.fetchone()[0]
                     cur.execute(
-                        "INSERT INTO photon.pipelines (pipeline, owner_id) VALUES (%s, %s)", (self.pipeline, owner_id)
+                        "INSERT INTO photon.pipelines (pipeline, owner_id, start_us) VALUES (%s, %s,"
+                        " CASE WHEN %s THEN photon.clock_us() ELSE %s::bigint END)",
+                        (self.pipeline, owner_id, start == NOW, start if isinstance(start, int) else None),
                     )
                 cur.execute(
                     "UPDATE photon.pipelines SET epoch = epoch + 1, lease_owner = %s,"
                     " lease_started_at = clock_timestamp(), heartbeat_at = clock_timestamp(), updated_at = now()"
                     " WHERE pipeline = %s"
-                    " RETURNING epoch, owner_id, last_batch",
+                    " RETURNING epoch, owner_id, last_batch, start_us",
                     (holder, self.pipeline),
                 )
-                epoch, owner_id, last_batch = cur.fetchone()
+                epoch, owner_id, last_batch, start_us = cur.fetchone()
             conn.commit()
         finally:
             conn.close()
-        return Lease(self.pipeline, int(epoch), int(owner_id), int(last_batch))
+        return Lease(
+            self.pipeline, int(epoch), int(owner_id), int(last_batch), None if start_us is None else int(start_us)
+        )
 
     def consumed(self, since: Mapping[str, str | None] | None = None) -> set[tuple[str, str]]:
         """(kind, file) consumed by this pipeline: of every kind, or only from partition ``since[kind]`` on (and the
-        files directly in ``<kind>/``), which is what a lease still lists."""
+        files directly in ``<kind>/``), which is what a lease still lists. Read again after a failover."""
+        return across_failover(lambda: self._consumed(since))
+
+    def _consumed(self, since: Mapping[str, str | None] | None) -> set[tuple[str, str]]:
         out: set[tuple[str, str]] = set()
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             for kind in ("queries", "clicks"):
@@ -159,6 +178,9 @@ class PipelineState:
 
     def marks(self) -> dict[str, str | None]:
         """Per kind, the oldest partition the pipeline must still list, as its last batch recorded it."""
+        return across_failover(self._marks)  # a read
+
+    def _marks(self) -> dict[str, str | None]:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "SELECT b.queries_from, b.clicks_from FROM photon.pipelines p JOIN photon.batches b"
@@ -171,6 +193,9 @@ class PipelineState:
     def open_batches(self) -> list[tuple[int, int, bool]]:
         """(batch_seq, epoch, published) of the batches a lease start needs: the unpublished ones and the last one
         (whose retry set the next batch reads). Bounded, however many batches the pipeline has committed."""
+        return across_failover(self._open_batches)  # a read
+
+    def _open_batches(self) -> list[tuple[int, int, bool]]:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "SELECT b.batch_seq, b.epoch, b.published FROM photon.batches b JOIN photon.pipelines p"
@@ -182,6 +207,9 @@ class PipelineState:
 
     def batches(self) -> list[tuple[int, int, bool]]:
         """(batch_seq, epoch, published) of every committed batch."""
+        return across_failover(self._batches)  # a read
+
+    def _batches(self) -> list[tuple[int, int, bool]]:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "SELECT batch_seq, epoch, published FROM photon.batches WHERE pipeline = %s ORDER BY 1",
@@ -270,9 +298,15 @@ class PipelineState:
                 "SELECT epoch FROM photon.batches WHERE pipeline = %s AND batch_seq = %s", (self.pipeline, batch_seq)
             )
             row = cur.fetchone()
+            if row is not None:
+                sync_barrier(cur)  # "committed already" only once a standby holds that commit (pg.py says why)
             return row is not None and int(row[0]) == epoch
 
     def mark_published(self, batch_seq: int) -> None:
+        # Again after a failover: setting published twice is setting it once.
+        across_failover(lambda: self._mark_published(batch_seq))
+
+    def _mark_published(self, batch_seq: int) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s",
@@ -289,7 +323,7 @@ class PipelineState:
         def beat() -> None:
             while not stop.wait(every_s):
                 try:
-                    self.heartbeat(lease)
+                    self._heartbeat(lease)  # one try: the next beat is the retry (and the block's end never waits)
                 except FencedError:
                     return
                 except Exception as exc:  # the registry is down: the next beat tries again
@@ -306,6 +340,10 @@ class PipelineState:
     def release(self, lease: Lease) -> None:
         """The lease is done (its last batch committed and published): a standby waiting for its turn takes over now,
         not after a heartbeat goes stale. A no-op if another lease has taken over already."""
+        # Again after a failover: it clears the holder only while this lease's epoch is current, twice as once.
+        across_failover(lambda: self._release(lease))
+
+    def _release(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "UPDATE photon.pipelines SET lease_owner = NULL, updated_at = now() WHERE pipeline = %s AND epoch = %s",
@@ -317,7 +355,10 @@ class PipelineState:
         ``released`` (its lease ended), ``stale`` (no heartbeat for ``stale_s``: it died), or ``timeout`` (the
         current lease started more than ``timeout_s`` ago and holds on: the lease that starts now fences it). Both
         measured by the server's clock from the current lease's own heartbeat and start, so a lease that another
-        standby has just taken gets its whole term."""
+        standby has just taken gets its whole term. Waits on after a failover (it only reads)."""
+        return across_failover(lambda: self._wait_for_turn(stale_s, timeout_s, poll_s))
+
+    def _wait_for_turn(self, stale_s: float, timeout_s: float, poll_s: float) -> str:
         with autocommit(self.dsn, application_name=f"photon-standby-{self.pipeline}") as conn, conn.cursor() as cur:
             while True:
                 cur.execute(
@@ -414,6 +455,10 @@ class PipelineState:
             thread.join(timeout=1.0)  # the withdrawal, usually in milliseconds; never long after a take-over
 
     def heartbeat(self, lease: Lease) -> None:
+        # Again after a failover: a beat twice is a beat (FencedError is not retried: the lease is over).
+        across_failover(lambda: self._heartbeat(lease))
+
+    def _heartbeat(self, lease: Lease) -> None:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
                 "UPDATE photon.pipelines SET heartbeat_at = now() WHERE pipeline = %s AND epoch = %s",

@@ -28,7 +28,8 @@ A pass (:func:`verify_and_recover`), in order:
 6. Read the committed batches again (which owner committed each, whether published): after 4 and 5.
 7. Judge every row: committed and published, click in the batch's files -> committed; not in them -> lost;
    owner retired and batch not committed by it -> lost; otherwise in flight.
-8. Recover the lost rows: their clicks' original lines (found in any data center's click logs) are written as an
+8. Recover the lost rows: their clicks' original lines (found in any data center's click logs, in the files named
+   after the process that logged them; a click found nowhere keeps its row and is reported) are written as an
    intent, ``recovered-<time>-<pipeline>.jsonl.inprogress``, into every data center's click folder and synced;
    then the rows are deleted where their token still matches; then the intents are renamed to closed log files,
    which every pipeline's dispatcher takes first. Intents a crashed pass left behind are published too. (A click
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -60,12 +62,13 @@ from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
-from photon.pg import across_failover, autocommit, connect
+from photon.pg import across_failover, autocommit, connect, sync_barrier
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
 from photon.settings import load_settings
 
+log = logging.getLogger(__name__)
 US = 1_000_000
 # One advisory lock id for "a verifier pass is running" on the main server.
 _LOCK_ID = 0x50484F544F56  # "PHOTOV"
@@ -258,6 +261,9 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
             (grace_s,),
         )
         to_roll = [(str(n), int(b)) for n, b in lcur.fetchall()]
+        # The state read here (a fence, a batch commit to roll forward) is acted on only once a standby holds it: a
+        # commit whose wait was cancelled is visible on the primary and forgotten by a failover.
+        sync_barrier(lcur)
         for name, batch in to_roll:
             folders.setdefault(name, _pipeline_folder(out, name))
             _check_staged(folders[name], name, batch, state.batches[(name, batch)])
@@ -284,8 +290,9 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
                     "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
                 )
             report.rolled_forward.append(f"{name}/{batch}")
-        # 6. Committed batches again, after the fences and the roll-forward.
+        # 6. Committed batches again, after the fences and the roll-forward (and, as above, replicated).
         state = _read_state(lcur)
+        sync_barrier(lcur)
         # 7. Judge.
         committed_parts, lost_parts = [], []
         for name in judged_names:
@@ -318,6 +325,15 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
             lines = _find_lines(lost, logs, order)
             found = np.array([format_id(t, s) in lines for t, s in zip(*_ts_src(lost), strict=True)], dtype=bool)
             report.not_in_logs = int(np.count_nonzero(~found))
+            if report.not_in_logs:
+                missing = [format_id(t, s) for t, s, f in zip(*_ts_src(lost), found, strict=True) if not f]
+                log.warning(
+                    "%d lost click(s) not found in the logs, their registry rows kept (e.g. %s): a click's line is "
+                    "looked for only in the click files named after the process that logged it (EVENTS.md, File "
+                    "names); put the file holding it back under that name and run the verifier again",
+                    report.not_in_logs,
+                    ", ".join(missing[:5]),
+                )
             if found.any():
                 queries = _find_query_lines(lines.values(), logs, order)
                 stamp = f"{RECOVERED_PREFIX}{server_clock_us(servers[MAIN])}.jsonl"
@@ -504,6 +520,8 @@ def _by_shard(t: pa.Table) -> dict[tuple[str, int, int], pa.Table]:
 def _apply(servers: Mapping[str, str], t: pa.Table, statement: str) -> None:
     """Run ``statement`` (with {t} for the shard table) for every (ts_us, src, token) row, one transaction per
     shard; the statement only touches a row whose token still matches."""
+    # Not retried here: a server lost on the way ends the pass, which runs again from step 1 (verify_and_recover).
+    # Retried alone, a step could go on after the lock went with the old primary's session.
     from psycopg2.extras import execute_values
 
     from photon.registry.sharding import ShardRef

@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg2.errors
 
-from photon.pg import autocommit, redact
+from photon.pg import across_failover, autocommit, redact
 from photon.registry import sql as q
 from photon.registry.client import MAIN, RegistryError, _check_server_names, read_layout
 from photon.registry.migrations import applied, apply_migrations
@@ -130,13 +130,18 @@ def server_clock_us(dsn: str) -> int:
 
 def advance_gc_threshold(servers: Mapping[str, str], shard: ShardRef, ts_us: int) -> int:
     """Move one shard's GC threshold forward to ``ts_us`` (never back); return the threshold now in force."""
-    layout, _ = read_layout(servers[MAIN])
-    with autocommit(servers[layout.server_of(shard)]) as conn, conn.cursor() as cur:
-        cur.execute(q.ADVANCE_THRESHOLD, (ts_us, shard.version, shard.shard_no))
-        row = cur.fetchone()
-        if row is None:
-            raise RegistryError(f"shard {shard} not found on its server")
-        return int(row[0])
+    layout, _ = across_failover(lambda: read_layout(servers[MAIN]))  # a read
+    dsn = servers[layout.server_of(shard)]
+
+    def advance() -> int:
+        with autocommit(dsn) as conn, conn.cursor() as cur:
+            cur.execute(q.ADVANCE_THRESHOLD, (ts_us, shard.version, shard.shard_no))
+            row = cur.fetchone()
+            if row is None:
+                raise RegistryError(f"shard {shard} not found on its server")
+            return int(row[0])
+
+    return across_failover(advance)  # again after a failover: greatest() moves a threshold there once
 
 
 def status(servers: Mapping[str, str], *, exact: bool = True) -> dict[str, Any]:
@@ -218,18 +223,23 @@ def _shard_facts(dsn: str | None, ref: ShardRef, exact: bool) -> dict[str, Any]:
 
 def record_shard_sizes(servers: Mapping[str, str], event: str, *, at_us: int | None = None) -> int:
     """Append every shard's rows, bytes and GC threshold to ``photon.shard_history`` (for `photon report`)."""
-    at = server_clock_us(servers[MAIN]) if at_us is None else at_us
-    st = status(servers, exact=True)
-    rows = [
-        (at, cfg["version"], sh["shard"], sh["server"], sh["rows"], sh["bytes"], sh["gc_threshold_us"], event)
-        for cfg in st["configs"]
-        for sh in cfg["shards"]
-        if "error" not in sh
-    ]
-    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
-        cur.executemany(
-            "INSERT INTO photon.shard_history (at_us, config_version, shard_no, server, rows, bytes, gc_threshold_us,"
-            " event) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            rows,
-        )
-    return len(rows)
+    at = across_failover(lambda: server_clock_us(servers[MAIN])) if at_us is None else at_us
+
+    def record() -> int:
+        st = status(servers, exact=True)
+        rows = [
+            (at, cfg["version"], sh["shard"], sh["server"], sh["rows"], sh["bytes"], sh["gc_threshold_us"], event)
+            for cfg in st["configs"]
+            for sh in cfg["shards"]
+            if "error" not in sh
+        ]
+        with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO photon.shard_history (at_us, config_version, shard_no, server, rows, bytes,"
+                " gc_threshold_us, event) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                rows,
+            )
+        return len(rows)
+
+    # Again after a failover: the rows are keyed by the one time taken above, so a second insert adds nothing.
+    return across_failover(record)

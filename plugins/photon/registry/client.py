@@ -13,7 +13,12 @@ ids below it are answered TOO_OLD, and the rest are written one of two ways:
 
 Correctness rests on the unique key either way: a key present with another token is LOST; with our own token it
 is WON_AGAIN (a retry after an unknown commit outcome). Whole transactions are retried on 40001/40P01 and on lost
-connections (including a COMMIT whose answer never came: the retry re-reads), with capped, jittered backoff.
+connections (including a COMMIT whose answer never came, or came with the warning that its wait for a standby was
+cancelled: the retry re-reads), with capped, jittered backoff.
+
+Acknowledged means replicated: an answer that rests on rows this transaction did not write (WON_AGAIN, LOST, TOO_OLD,
+a lookup's hit) is given only after a COMMIT that waited for a synchronous standby (pg.sync_barrier), because a
+cancelled wait leaves rows visible on the primary that a failover forgets (README, "Acknowledged means replicated").
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ from photon.logs.ids import EventKeys, InvalidEventIdError
 from photon.pg import (
     RegistryUnavailableError,
     UnsafeReplicationError,
+    across_failover,
     autocommit,
     check_replication,
     connect,
     is_connection_error,
     is_transient,
+    sync_barrier,
 )
 from photon.registry import sql as q
 from photon.registry.owners import Token
@@ -259,7 +266,10 @@ class IdRegistry:
     # -- configuration ---------------------------------------------------------------------------------------
     def layout(self, refresh: bool = False) -> ShardLayout:
         if self._layout is None or refresh:
-            self._layout, self._width = read_layout(self.main_dsn)
+            # A read, safe to repeat: a client that first needs it during a failover waits like a batch does.
+            self._layout, self._width = across_failover(
+                lambda: read_layout(self.main_dsn), budget_s=self.options.failover_s
+            )
             unknown = {s for s in self._layout.placement.values() if s not in self.servers}
             if unknown:
                 raise RegistryError(
@@ -494,6 +504,9 @@ class IdRegistry:
             with conn.cursor() as cur:
                 cur.execute(q.LIST_PARTITIONS, (q.qualified(ref),))
                 known = {int(name.rsplit("_p", 1)[1]) * 1_000_000 for (name,) in cur.fetchall()}
+                # Cached for the client's life: only partitions a standby holds (another client's creation whose
+                # wait was cancelled is forgotten by a failover, and no insert would find its partition again).
+                sync_barrier(cur)
             conn.commit()
             self._partitions[ref] = known
         missing = [int(s) for s in starts.tolist() if int(s) not in known]
@@ -537,6 +550,10 @@ class IdRegistry:
                     else:
                         inserted = self._insert_conditionally(cur, ref, keys, idx, token, threshold, out)
                     self._conflicted[ref] = inserted < len(idx)
+                if inserted == 0:
+                    # Every answer here rests on rows other commits wrote (WON_AGAIN, LOST) or on the threshold
+                    # (TOO_OLD); a commit that inserted rows waits for its standby anyway, and so for all of them.
+                    sync_barrier(cur)
             conn.commit()
             return out, inserted
 
@@ -612,6 +629,10 @@ class IdRegistry:
                 for i, tok in cur.fetchall():
                     flags[i] |= 1
                     toks[i] = tok or 0
+                if flags.any():
+                    # The dispatcher drops what it finds registered (or too old): only on a commit a standby holds,
+                    # else a failover could forget the row after this pipeline skipped the click for good.
+                    sync_barrier(cur)
             conn.commit()
             return flags, toks
 
@@ -634,6 +655,9 @@ def read_layout(main_dsn: str) -> tuple[ShardLayout, int]:
         placement = {ShardRef(int(v), int(s)): str(srv) for v, s, srv in cur.fetchall()}
         cur.execute("SELECT value FROM photon.registry_meta WHERE key = 'partition_width_us'")
         width = int(cur.fetchone()[0])
+        # Routed with for the client's life: only a layout a standby holds (an activation whose wait was cancelled
+        # is forgotten by a failover, and one id would go to two shards).
+        sync_barrier(cur)
     if not configs:
         raise RegistryError("the registry has no shard configuration: run `photon registry init`")
     return ShardLayout(configs, placement), width

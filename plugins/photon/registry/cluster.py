@@ -204,6 +204,9 @@ class LocalCluster:
                             "wal_keep_size": "256MB",
                             "max_connections": 200,
                             "max_pred_locks_per_transaction": 256,
+                            # English server messages: the client recognises a cancelled wait for a standby in
+                            # autocommit mode by its warning's text (pg.py, "acknowledged means replicated").
+                            "lc_messages": "C",
                         },
                     },
                 },
@@ -310,8 +313,9 @@ class LocalCluster:
         raise ClusterError(f"cluster not ready after {timeout:.0f} s: {why} (logs in {self.folder / 'logs'})")
 
     def _not_ready(self) -> str:
-        """Why the cluster is not ready yet, or '' when a primary takes writes, both standbys stream and a standby
-        acknowledges commits (a valid quorum list and a 'quorum' or 'sync' standby in pg_stat_replication)."""
+        """Why the cluster is not ready yet, or '' when a primary takes writes, both standbys stream, Patroni holds
+        both in its quorum (so it can promote one) and a standby acknowledges commits (a valid quorum list and a
+        'quorum' or 'sync' standby in pg_stat_replication)."""
         members = self._members()
         leader = [m for m in members if m.get("role") == "leader" and m.get("state") == "running"]
         if not leader:
@@ -319,6 +323,11 @@ class LocalCluster:
         streaming = [m for m in members if m.get("role") != "leader" and m.get("state") == "streaming"]
         if len(streaming) < len(NODES) - 1:
             return f"{len(streaming)} of {len(NODES) - 1} standbys streaming"
+        # Patroni promotes only a standby its /sync key lists, which it writes a few seconds after PostgreSQL names
+        # the quorum: a primary lost before that leaves the cluster without one for good.
+        voters = [m for m in members if m.get("role") in ("quorum_standby", "sync_standby")]
+        if len(voters) < len(NODES) - 1:
+            return f"{len(voters)} of {len(NODES) - 1} standbys in Patroni's quorum (a failover could not promote them)"
         try:
             with contextlib.closing(psycopg2.connect(self.dsn(), connect_timeout=3)) as conn:
                 conn.autocommit = True
@@ -410,6 +419,100 @@ class LocalCluster:
                 )
             )
         return out
+
+    def wait_replayed(self, timeout: float = 30.0) -> None:
+        """Wait until every streaming standby has replayed the primary's WAL as of now, so that a database or login
+        just made on the primary exists on every node: libpq's multi-host DSN stops at a standby that refuses a
+        database or user name it does not know yet, before it reaches the primary."""
+        with contextlib.closing(psycopg2.connect(self.dsn(), connect_timeout=3)) as conn:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_current_wal_lsn()::text")
+                lsn = str(cur.fetchone()[0])
+        standbys = [
+            str(m["name"]) for m in self._members() if m.get("role") != "leader" and m.get("state") == "streaming"
+        ]
+        deadline = time.monotonic() + timeout
+        for name in standbys:
+            while True:
+                with (
+                    contextlib.suppress(psycopg2.Error),
+                    contextlib.closing(psycopg2.connect(self.node_dsn(name), connect_timeout=3)) as conn,
+                ):
+                    conn.autocommit = True
+                    with conn.cursor() as cur:
+                        cur.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,))
+                        if cur.fetchone()[0]:
+                            break
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{name} has not replayed the primary's WAL up to {lsn} after {timeout:.0f} s")
+                time.sleep(0.1)
+
+    def wait_streaming(self, name: str, timeout: float = 60.0) -> float:
+        """Wait until ``name`` is a standby streaming from the primary and a candidate for its quorum (sync_state
+        quorum, sync or potential): a returning old primary has been rewound and caught up. Returns the seconds
+        waited."""
+        started = time.monotonic()
+        while True:
+            node = next(n for n in self.status() if n.name == name)
+            if (
+                node.role != "leader"
+                and node.state == "streaming"
+                and node.sync_state in ("quorum", "sync", "potential")
+            ):
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                raise ClusterError(f"{name} does not stream after {timeout:.0f} s: {node}")
+            time.sleep(0.5)
+
+    # -- configuration -------------------------------------------------------------------------------------------
+
+    def set_synchronous(self, on: bool, timeout: float = 60.0) -> None:
+        """Switch Patroni's synchronous mode in the cluster's dynamic configuration (its REST API's PATCH /config)
+        and wait until the primary runs it. Off is plain asynchronous streaming with automatic failover, which
+        acknowledges commits no standby holds: the replication guard's case. On is this cluster's own setting
+        (quorum, strict), ready as ``up`` leaves it."""
+        leader = self.primary()
+        if leader is None:
+            raise ClusterError("no primary to reconfigure")
+        body = {"synchronous_mode": "quorum" if on else False, "synchronous_mode_strict": on}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.state['nodes'][leader]['api']}/config",
+            data=json.dumps(body).encode(),
+            method="PATCH",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            if r.status != 200:
+                raise ClusterError(f"Patroni refused the configuration change: HTTP {r.status}")
+        deadline = time.monotonic() + timeout
+        why = "no answer yet"
+        while time.monotonic() < deadline:
+            why = self._not_ready() if on else self._not_async()
+            if not why:
+                return
+            time.sleep(0.5)
+        raise ClusterError(f"synchronous mode {'on' if on else 'off'} not in effect after {timeout:.0f} s: {why}")
+
+    def _not_async(self) -> str:
+        """'' once the primary names no synchronous standby and both standbys stream asynchronously."""
+        try:
+            with contextlib.closing(psycopg2.connect(self.dsn(), connect_timeout=3)) as conn:
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute("SHOW synchronous_standby_names")
+                    names = str(cur.fetchone()[0])
+                    cur.execute(
+                        "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = 'async'"
+                    )
+                    streaming = int(cur.fetchone()[0])
+        except psycopg2.Error as exc:
+            return f"primary not reachable: {str(exc).strip()}"
+        if names.strip():
+            return f"synchronous_standby_names is still {names!r}"
+        if streaming < len(NODES) - 1:
+            return f"{streaming} of {len(NODES) - 1} standbys streaming asynchronously"
+        return ""
 
     # -- faults --------------------------------------------------------------------------------------------------
 

@@ -30,10 +30,16 @@ measured by that server's own clock. The steps, each safe to crash after and to 
 ``resume(v)`` finishes after a crash: an active ``v`` gets step 3d; a planned one is activated if every live joiner
 acknowledged it and its deadline allows, else aborted; an aborted one is cleaned up on every server. A new reshard
 aborts a leftover plan whose deadline has passed (it can never be activated) before taking its version.
+
+Every step's transactions run again on a fresh connection while their server is lost (``pg.across_failover``: a
+multi-host DSN then finds the promoted standby), each safe to run twice (why is said where it runs): a COMMIT whose
+answer was lost may have committed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,7 +47,14 @@ from typing import Any
 
 import psycopg2
 
-from photon.pg import RegistryUnavailableError, autocommit, connect, is_connection_error
+from photon.pg import (
+    RegistryUnavailableError,
+    across_failover,
+    autocommit,
+    connect,
+    is_connection_error,
+    sync_barrier,
+)
 from photon.registry.admin import _check_placement, _ordered, server_clock_us
 from photon.registry.client import MAIN, RegistryError, _check_server_names
 
@@ -95,13 +108,26 @@ def _error(exc: psycopg2.Error) -> ReshardError:
 
 
 def _live_acks(main: str, grace_s: float) -> dict[str, int]:
-    with autocommit(main) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT pipeline, config_version FROM photon.pipelines"
-            " WHERE heartbeat_at > now() - make_interval(secs => %s)",
-            (grace_s,),
-        )
-        return {str(p): int(v) for p, v in cur.fetchall()}
+    def read() -> dict[str, int]:
+        with autocommit(main) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT pipeline, config_version FROM photon.pipelines"
+                " WHERE heartbeat_at > now() - make_interval(secs => %s)",
+                (grace_s,),
+            )
+            return {str(p): int(v) for p, v in cur.fetchall()}
+
+    return across_failover(read)  # a read
+
+
+def _main_clock_us(servers: Mapping[str, str]) -> int:
+    return across_failover(lambda: server_clock_us(servers[MAIN]))  # a read
+
+
+def _raise_unless_lost(exc: psycopg2.Error) -> None:
+    """A refusal becomes its ReshardError; a lost connection stays what it is, for across_failover to retry."""
+    if not is_connection_error(exc):
+        raise _error(exc) from exc
 
 
 def _set_lock_timeout(cur: Any, lock_timeout_s: float) -> None:
@@ -124,43 +150,83 @@ def plan(
     placement = _check_placement(servers, placement)
     if not 1 <= num_shards <= 4096:
         raise ValueError("num_shards must be in 1..4096")
-    now = server_clock_us(servers[MAIN]) if now_us is None else now_us
+    now = _main_clock_us(servers) if now_us is None else now_us
     valid_from = now + int(lead_s * US)
     activate_by = valid_from - int(max_clock_skew_s * US)
+    tries: list[int] = []
+    version = across_failover(lambda: _take_version(servers, valid_from, num_shards, activate_by, tries))
+    shard_server = [placement[i % len(placement)] for i in range(num_shards)]
+    for name in _ordered(servers):
+        # Twice is once: copy_plan inserts ON CONFLICT DO NOTHING (and refuses a different row), create_shard
+        # creates IF NOT EXISTS.
+        across_failover(
+            functools.partial(
+                _copy_plan, servers[name], name, version, valid_from, num_shards, activate_by, shard_server
+            )
+        )
+    return Plan(version, valid_from, num_shards, activate_by)
+
+
+def _take_version(
+    servers: Mapping[str, str], valid_from: int, num_shards: int, activate_by: int, tries: list[int]
+) -> int:
+    """Step 1 on main: take the plan's version. Run again after a failover (``tries`` counts the runs): a version
+    that a COMMIT whose answer was lost did take is found by the plan's own valid_from, shard count and deadline
+    (valid_from is main's clock to the microsecond plus the lead: no other plan has them) and is this plan's, rather
+    than another reshard in progress. A first try never looks: a plan with the same values is someone else's."""
+    tries.append(1)
     for attempt in range(2):
         try:
             with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+                if len(tries) > 1:
+                    cur.execute(
+                        "SELECT version FROM photon.shard_config WHERE state = 'planned' AND valid_from_us = %s"
+                        " AND num_shards = %s AND activate_by_us = %s",
+                        (valid_from, num_shards, activate_by),
+                    )
+                    row = cur.fetchone()
+                    if row is not None:
+                        return int(row[0])
                 cur.execute("SELECT photon.take_config_version(%s, %s, %s)", (valid_from, num_shards, activate_by))
-                version = int(cur.fetchone()[0])
-            break
+                return int(cur.fetchone()[0])
         except psycopg2.Error as exc:
+            if is_connection_error(exc):
+                raise  # across_failover's to retry
             err = _error(exc)
             if not isinstance(err, ReshardInProgressError) or attempt or not _abort_abandoned_plan(servers):
                 raise err from exc
-    shard_server = [placement[i % len(placement)] for i in range(num_shards)]
-    for name in _ordered(servers):
-        with autocommit(servers[name]) as conn:
-            conn.autocommit = False
-            with conn.cursor() as cur:
-                cur.execute(
-                    "SELECT photon.copy_plan(%s, %s, %s, %s, %s::text[])",
-                    (version, valid_from, num_shards, activate_by, shard_server),
-                )
-                for i, srv in enumerate(shard_server):
-                    if srv == name:
-                        cur.execute("SELECT photon.create_shard(%s, %s)", (version, i))
-            conn.commit()
-    return Plan(version, valid_from, num_shards, activate_by)
+    raise AssertionError("unreachable")
+
+
+def _copy_plan(
+    dsn: str, name: str, version: int, valid_from: int, num_shards: int, activate_by: int, shard_server: list[str]
+) -> None:
+    with autocommit(dsn) as conn:
+        conn.autocommit = False
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT photon.copy_plan(%s, %s, %s, %s, %s::text[])",
+                (version, valid_from, num_shards, activate_by, shard_server),
+            )
+            for i, srv in enumerate(shard_server):
+                if srv == name:
+                    cur.execute("SELECT photon.create_shard(%s, %s)", (version, i))
+        conn.commit()
 
 
 def _abort_abandoned_plan(servers: Mapping[str, str]) -> bool:
     """Abort the planned configuration if main's clock is past its deadline (it can never be activated: a crashed
     reshard left it). True if one was aborted."""
-    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT version FROM photon.shard_config WHERE state = 'planned' AND activate_by_us <= photon.clock_us()"
-        )
-        row = cur.fetchone()
+
+    def read() -> Any:
+        with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT version FROM photon.shard_config WHERE state = 'planned'"
+                " AND activate_by_us <= photon.clock_us()"
+            )
+            return cur.fetchone()
+
+    row = across_failover(read)  # a read
     if row is None:
         return False
     abort(servers, int(row[0]))
@@ -178,14 +244,20 @@ def activate(servers: Mapping[str, str], version: int, *, lock_timeout_s: float 
             retry = isinstance(exc, RegistryUnavailableError) or is_connection_error(exc)
             if isinstance(exc, psycopg2.Error) and not (retry or exc.pgcode == LOCK_NOT_AVAILABLE):
                 raise _error(exc) from exc
-            with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:  # past the deadline? main's clock says
-                cur.execute(
-                    "SELECT activate_by_us, photon.clock_us() FROM photon.shard_config WHERE version = %s", (version,)
-                )
-                activate_by, now = cur.fetchone()
+            # Then _activate_once again, which twice is once: on main an active v goes straight to 3d, and a
+            # server that enforces v already (in time: enforce_layout is its only writer) only gets the mark.
+            activate_by, now = across_failover(functools.partial(_deadline_and_clock, servers[MAIN], version))
             if now >= activate_by:
                 raise ActivationDeadlineError(f"v{version}: {exc}".strip()) from exc
             time.sleep(0.05)
+
+
+def _deadline_and_clock(main: str, version: int) -> tuple[int, int]:
+    """The plan's activation deadline and main's clock now (a read)."""
+    with autocommit(main) as conn, conn.cursor() as cur:
+        cur.execute("SELECT activate_by_us, photon.clock_us() FROM photon.shard_config WHERE version = %s", (version,))
+        activate_by, now = cur.fetchone()
+    return int(activate_by), int(now)
 
 
 def _activate_once(servers: Mapping[str, str], version: int, lock_timeout_s: float) -> None:
@@ -204,6 +276,9 @@ def _activate_once(servers: Mapping[str, str], version: int, lock_timeout_s: flo
                 # 3b. Every other server enforces v and commits, each before the deadline by its own clock.
                 for name in _ordered(servers)[:-1]:
                     _enforce(servers[name], version, activate=False, lock_timeout_s=lock_timeout_s)
+            else:
+                # Found active (a retry after a lost or unreplicated answer): said so only once a standby holds it.
+                sync_barrier(cur)
         main.commit()  # 3c. v is active.
     finally:
         main.close()
@@ -225,7 +300,22 @@ def abort(servers: Mapping[str, str], version: int, *, lock_timeout_s: float = 5
     """Step 4: remove plan ``v``. Main decides first, under the plan row's lock: an active configuration is refused
     (:class:`ReshardError`), never dropped. Then every server withdraws its enforcement of ``v`` and drops the plan's
     empty shard tables; a server that fails is reported after the others were tried (run again to finish)."""
-    with autocommit(servers[MAIN], application_name="photon-reshard") as conn:
+    # Twice is once, on every server: abort_plan leaves an aborted plan aborted, drops only tables still there,
+    # withdraws an enforcement only while it is in place; back_to is read again from main's own rows.
+    back_to = across_failover(functools.partial(_abort_on_main, servers[MAIN], version, lock_timeout_s))
+    failed: dict[str, str] = {}
+    for name in _ordered(servers)[:-1]:
+        try:
+            across_failover(functools.partial(_abort_on, servers[name], version, back_to, lock_timeout_s))
+        except (psycopg2.Error, RegistryError, RegistryUnavailableError) as exc:
+            failed[name] = str(exc).strip()
+    if failed:
+        raise ReshardError(f"v{version} is aborted on main; not yet removed from {failed}: run abort again")
+
+
+def _abort_on_main(main: str, version: int, lock_timeout_s: float) -> int:
+    """Main decides: plan ``version`` aborted, under its row lock; returns the version the servers go back to."""
+    with autocommit(main, application_name="photon-reshard") as conn:
         conn.autocommit = False
         try:
             with conn.cursor() as cur:
@@ -238,28 +328,33 @@ def abort(servers: Mapping[str, str], version: int, *, lock_timeout_s: float = 5
                 cur.execute("SELECT photon.abort_plan(%s, %s)", (version, back_to))
             conn.commit()
         except psycopg2.Error as exc:
-            conn.rollback()
-            raise _error(exc) from exc
-    failed: dict[str, str] = {}
-    for name in _ordered(servers)[:-1]:
-        try:
-            with autocommit(servers[name], application_name="photon-reshard") as conn:
-                conn.autocommit = False
-                with conn.cursor() as cur:
-                    _set_lock_timeout(cur, lock_timeout_s)
-                    cur.execute("SELECT photon.abort_plan(%s, %s)", (version, back_to))
-                conn.commit()
-        except (psycopg2.Error, RegistryError) as exc:
-            failed[name] = str(exc).strip()
-    if failed:
-        raise ReshardError(f"v{version} is aborted on main; not yet removed from {failed}: run abort again")
+            with contextlib.suppress(psycopg2.Error):  # a lost connection cannot roll back: its server did
+                conn.rollback()
+            _raise_unless_lost(exc)
+            raise
+    return back_to
+
+
+def _abort_on(dsn: str, version: int, back_to: int, lock_timeout_s: float) -> None:
+    with autocommit(dsn, application_name="photon-reshard") as conn:
+        conn.autocommit = False
+        with conn.cursor() as cur:
+            _set_lock_timeout(cur, lock_timeout_s)
+            cur.execute("SELECT photon.abort_plan(%s, %s)", (version, back_to))
+        conn.commit()
 
 
 def resume(servers: Mapping[str, str], version: int, *, grace_s: float = 60.0, lock_timeout_s: float = 2.0) -> str:
     """Finish configuration ``v`` after a crash, whatever step it stopped at; returns its state now."""
-    with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
-        cur.execute("SELECT state FROM photon.shard_config WHERE version = %s", (version,))
-        row = cur.fetchone()
+
+    def read() -> Any:
+        with autocommit(servers[MAIN]) as conn, conn.cursor() as cur:
+            cur.execute("SELECT state FROM photon.shard_config WHERE version = %s", (version,))
+            row = cur.fetchone()
+            sync_barrier(cur)  # acted on below, on other servers too: only a state a standby holds
+            return row
+
+    row = across_failover(read)  # a read
     if row is None:
         raise ReshardError(f"no shard configuration v{version}")
     state = str(row[0])
@@ -273,8 +368,10 @@ def resume(servers: Mapping[str, str], version: int, *, grace_s: float = 60.0, l
         abort(servers, version)
         return "aborted"
     if state == "active":
-        for name in _ordered(servers)[:-1]:
-            _enforce(servers[name], version, activate=True, lock_timeout_s=lock_timeout_s)
+        for name in _ordered(servers)[:-1]:  # 3d again: twice is once (the mark of an enforced, active v)
+            across_failover(
+                functools.partial(_enforce, servers[name], version, activate=True, lock_timeout_s=lock_timeout_s)
+            )
     else:
         abort(servers, version)
     return state
@@ -314,7 +411,7 @@ def reshard(
         report.acknowledged = acks
         if all(v >= p.version for v in acks.values()):
             break
-        if server_clock_us(servers[MAIN]) + poll_s * US >= p.activate_by_us:
+        if _main_clock_us(servers) + poll_s * US >= p.activate_by_us:
             report.waited_s = time.monotonic() - t0
             behind = sorted(name for name, v in acks.items() if v < p.version)
             return _abort(servers, report, f"not acknowledged before the deadline by: {', '.join(behind)}")

@@ -47,7 +47,9 @@ class AuditReport:
     unexpected: int = 0
     wrong_query: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    # The clicks whose outcome is unjoinable, by reason, each once: they add up to outcomes["unjoinable"].
     unjoinable_by_reason: dict[str, int] = field(default_factory=dict)
+    unjoinable_records: int = 0  # rows in every unjoinable/ folder: a click given up by two pipelines has two
     joined_although_unjoinable: int = 0
     joined_and_unjoinable: int = 0
     quarantine: dict[str, Any] = field(default_factory=dict)
@@ -178,7 +180,17 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     }
     report.joined_although_unjoinable = int((in_joined & (expect == "unjoinable")).sum())
     report.joined_and_unjoinable = int((in_joined & in_unjoinable).sum())
-    report.unjoinable_by_reason = _value_counts(unjoinable["reason"])
+    report.unjoinable_records = unjoinable.num_rows
+    # Each input click given up and joined nowhere, once, under one reason (the least by text, when its pipelines
+    # gave different ones): the table then counts the clicks the outcome counts, not every pipeline's record of them.
+    given_up = unjoinable.filter(
+        pc.and_(
+            pc.is_in(unjoinable["click_id"], value_set=input_ids),
+            pc.invert(pc.is_in(unjoinable["click_id"], value_set=joined_ids)),
+        )
+    )
+    per_click = given_up.group_by("click_id").aggregate([("reason", "min")])
+    report.unjoinable_by_reason = _value_counts(per_click["reason_min"])
 
     report.quarantine = _quarantine(files, quarantined, {p: data_center_of(out, p) for p in pipelines})
     report.shares = _shares(joined, pipelines)
@@ -323,6 +335,8 @@ def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
 
 def print_audit(report: AuditReport, console: Console) -> None:
     """The report for a person: the verdict, then one line per measure (``photon audit``, the demo)."""
+    from rich.markup import escape
+
     verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]: " + "; ".join(report.failures())
     console.print(f"audit against the {report.source}: {verdict}")
     console.print(
@@ -330,7 +344,20 @@ def print_audit(report: AuditReport, console: Console) -> None:
         f"{report.duplicate_clicks}; lost {report.lost} {report.lost_by_expectation or ''}; unexpected "
         f"{report.unexpected}; joined to another query {report.wrong_query}"
     )
-    console.print(f"  outcomes {report.outcomes}; unjoinable by reason {report.unjoinable_by_reason}")
+    o = report.outcomes
+    unjoinable = o.get("unjoinable", 0)
+    console.print(
+        f"  outcomes (clicks, each once): joined {o.get('joined', 0):,}, unjoinable {unjoinable:,}, "
+        f"none {o.get('none', 0):,}"
+    )
+    if report.unjoinable_records:
+        by_reason = sorted(report.unjoinable_by_reason.items(), key=lambda x: -x[1])
+        reasons = "; ".join(f"{n:,} {escape(why)}" for why, n in by_reason) or "none (all joined elsewhere)"
+        console.print(f"  the {unjoinable:,} unjoinable clicks by reason: {reasons}")
+        console.print(
+            f"  ({report.unjoinable_records:,} records in the unjoinable/ folders: a click given up by two pipelines"
+            " has one in each)"
+        )
     q = report.quarantine
     console.print(
         f"  quarantine: expected {q['expected']:,}, found {q['found']:,}, missing {q['missing']}, extra {q['extra']}"

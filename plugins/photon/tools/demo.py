@@ -102,7 +102,7 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
         f"ids won by both: {both}; by neither: {neither}; answers agreeing with the registry: "
         f"{int(agree.sum()):,}/{num_ids:,}  ->  {'OK' if ok else 'FAILED'}"
     )
-    console.print(f"(pid {os.getpid()}; registry status: `python -m photon registry status`)")
+    console.print(f"(pid {os.getpid()}; registry status: `photon registry status`)")
     return ok
 
 

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -581,6 +582,80 @@ class GenerateReport:
         return (self.queries + self.clicks) / self.seconds if self.seconds else 0.0
 
 
+# `photon generate` says so (one line on stderr, before it writes anything) when a run will put more than this on disk:
+# the README's old example wrote 26 GB per data center without a word.
+LARGE_RUN_BYTES = 1_000_000_000
+_SAMPLE_EVENTS = 20_000  # simulated to measure the lines' mean sizes (tens of milliseconds)
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """What a run writes: events logged (queries and clicks, as ``GenerateReport`` counts them), lines and bytes per
+    data center (a replica), and bytes on disk (historical replicas share their files as hard links)."""
+
+    events: int
+    lines: int
+    bytes_per_dc: int
+    bytes_on_disk: int
+
+    def line(self, settings: GeneratorSettings, live: bool) -> str:
+        """The warning: one line."""
+        dcs = len(settings.dcs)
+        how = "each replica written apart" if live else "the replicas hard-linked"
+        return (
+            f"photon generate: this run writes about {self.events:,} events, {self.bytes_per_dc / 1e9:,.1f} GB per "
+            f"data center ({dcs} data center{'s' if dcs != 1 else ''}, {self.bytes_on_disk / 1e9:,.1f} GB on disk, "
+            f"{how}): more than {LARGE_RUN_BYTES / 1e9:g} GB; Ctrl-C now to stop, or make it smaller with --rate or "
+            "--duration"
+        )
+
+
+def estimate_size(settings: GeneratorSettings, duration_s: float, *, live: bool = False) -> SizeEstimate:
+    """What ``generate`` writes for ``duration_s`` of log time, without writing it: the mean sizes of a query line and
+    a click line, measured on a few thousand events simulated with the same settings (the words, ads and ids the run
+    draws), times the lines the settings imply (queries lost, lines sent twice, malformed lines, the huge ones at
+    their size). Within a few percent of the run (tested)."""
+    s = settings
+    world = World(s)
+    start = 1_700_000_000 * US  # any time: the sizes do not depend on it
+    query_lines, their_clicks = world._queries(start, start + max(1, int(_SAMPLE_EVENTS / s.events_per_s * US)))
+    click_lines, _ = world._click_lines(their_clicks)  # every click of the sample's queries, however late
+    mean = {
+        kind: (pc.sum(pc.binary_length(t["line"])).as_py() or 0) / max(t.num_rows, 1)
+        for kind, t in (("queries", query_lines), ("clicks", click_lines))
+    }
+    events = s.events_per_s * duration_s
+    queries = events / (1 + s.clicks_per_query)
+    clicks = events - queries
+    lines = {"queries": queries * (1 - s.lost_query_fraction), "clicks": clicks}
+    good_lines = sum(lines.values()) * (1 + s.duplicate_fraction)
+    good_bytes = sum(n * mean[kind] for kind, n in lines.items()) * (1 + s.duplicate_fraction)
+    weights = sum(s.malformed_weights.get(k, 0.0) for k in MALFORMED_KINDS) or 1.0
+    huge = s.malformed_weights.get("huge", 0.0) / weights
+    malformed = good_lines * s.malformed_fraction
+    mean_line = good_bytes / max(good_lines, 1)
+    per_dc = good_bytes + malformed * (huge * s.huge_line_bytes + (1 - huge) * mean_line)
+    logged = queries * (1 - s.lost_query_fraction) + clicks
+    return SizeEstimate(
+        events=round(logged),
+        lines=round(good_lines + malformed),
+        bytes_per_dc=round(per_dc),
+        bytes_on_disk=round(per_dc) * (len(s.dcs) if live else 1),
+    )
+
+
+def _bytes_at_most(settings: GeneratorSettings, duration_s: float, live: bool) -> float:
+    """A bound from above on what a run writes, without simulating it: no line is longer than a query line with the
+    most words, each of the longest, and eight ads (the most a query shows), except the huge malformed ones."""
+    s = settings
+    longest_word = max(len(w.encode()) for w in _VOCABULARIES[s.query_vocabulary]) + 1
+    longest_line = 256 + s.query_words_max * longest_word + 8 * 100  # ids, stamps, keys; words; ads of < 100 bytes
+    lines = s.events_per_s * duration_s * (1 + s.duplicate_fraction) * (1 + s.malformed_fraction)
+    huge = s.malformed_weights.get("huge", 0.0) / (sum(s.malformed_weights.values()) or 1.0)
+    per_dc = lines * longest_line + lines * s.malformed_fraction * huge * (s.huge_line_bytes + 256)
+    return per_dc * (len(s.dcs) if live else 1)
+
+
 def generate(
     settings: GeneratorSettings,
     logs: Path,
@@ -597,6 +672,11 @@ def generate(
     t_begin = time.perf_counter()
     rot = int(settings.rotate_s * US)
     start_us -= start_us % rot
+    if _bytes_at_most(settings, (end_us - start_us) / US, live) > LARGE_RUN_BYTES:  # the sample costs 0.1-0.3 s
+        size = estimate_size(settings, (end_us - start_us) / US, live=live)
+        if size.bytes_on_disk > LARGE_RUN_BYTES:
+            # sys.stderr as it is now: under a progress bar, rich has put a writer there that keeps the bar whole.
+            print(size.line(settings, live), file=sys.stderr, flush=True)
     world = World(settings)
     arrivals = Arrivals(settings, start_us, live)
     report = GenerateReport("live" if live else "historical", start_us, end_us)

@@ -566,16 +566,28 @@ def check_quality(
 
 
 def _observed(result: dict[str, Any]) -> str:
-    """What a failed expectation saw, in a few words: 'unexpected 12 of 4,000 (0.3%), e.g. [75.1, 80.2]'."""
-    n = result.get("element_count")
+    """What a failed expectation saw, in a few words, saying what the share is of: 'unexpected 12 of 4,000 rows
+    (0.30%), e.g. [75.1, 80.2]'. Where the column has nulls, GX judges (and gives its share of) the non-null values
+    only: 'unexpected 8 of the 8 non-null values (100.00%; 65,014 of 65,022 rows null, not judged)', not '8 of
+    65,022 (100.00%)'."""
+    n = result.get("element_count") or 0
     bad = result.get("unexpected_count")
     sample = [round(v, 4) if isinstance(v, float) else v for v in (result.get("partial_unexpected_list") or [])[:3]]
     if n == 1 and sample:
         return f"observed {sample[0]}"
     if bad is None:
         return "failed"
-    pct = result.get("unexpected_percent") or 0.0
-    return f"unexpected {bad:,} of {n or 0:,} ({pct:.2f}%)" + (f", e.g. {sample}" if sample else "")
+    eg = f", e.g. {sample}" if sample else ""
+    missing = result.get("missing_count") or 0
+    if missing:
+        pct = result.get("unexpected_percent_nonmissing") or 0.0
+        judged = n - missing
+        return (
+            f"unexpected {bad:,} of the {judged:,} non-null values ({pct:.2f}%; {missing:,} of {n:,} rows null, not"
+            f" judged){eg}"
+        )
+    pct = result.get("unexpected_percent_total", result.get("unexpected_percent")) or 0.0
+    return f"unexpected {bad:,} of {n:,} rows ({pct:.2f}%){eg}"
 
 
 def _iso(ts_us: int) -> str:

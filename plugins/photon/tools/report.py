@@ -1,6 +1,8 @@
 """`photon report`: PNG charts from the metrics tables, like the Photon paper's figures.
 
-- ``latency.png``: click latency p50/p90/p99 per batch over time, per pipeline (``photon.batch_metrics``);
+- ``latency.png``: click latency p50/p90/p99 per batch over time, per pipeline (``photon.batch_metrics``); on a
+  log axis when a few batches are so late (a live pipeline joining days-old history, say) that a linear one would
+  flatten every other batch against zero;
 - ``shares.png``: each pipeline's share of the joins over time, in 10-second bins: when one pipeline is down, the
   other takes over;
 - ``registry_batching.png``: registry rows per transaction per batch (the server-side batching Photon relies on);
@@ -21,6 +23,11 @@ from photon.tools.status import handover_gaps
 
 US = 1_000_000
 BIN_S = 10
+# The latency axis turns logarithmic when some value is more than this many times the median of the values drawn, and
+# beyond FAR_S: a linear axis would then press most batches into its bottom twentieth. Ten minutes is past any live
+# batch's latency (the maximum join delay is two), so an ordinary chart stays linear.
+LOG_AXIS_RATIO = 20.0
+FAR_S = 600.0
 
 
 @dataclass
@@ -30,6 +37,7 @@ class ReportResult:
     pipelines: list[str] = field(default_factory=list)
     # pipeline -> batches, clicks, joined, wasted_share (of clicks read) and the lease hand-over gaps in the range
     per_pipeline: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # chart -> what a reader should know (its axis's scale)
 
 
 def _metrics(main: str, pipelines: Sequence[str] | None, since_us: int | None) -> dict[str, dict[str, np.ndarray]]:
@@ -103,7 +111,7 @@ def render_report(
     if not any((~np.isnan(v["p90"])).any() for v in m.values()):
         skip("latency.png", "no batch with joined clicks in the range")
     else:
-        _latency(plt, m, t0, to, written)
+        result.notes["latency.png"] = _latency(plt, m, t0, to, written)
     if not any(v["joined"].sum() > 0 for v in m.values()):
         skip("shares.png", "no joins in the range")
     else:
@@ -137,16 +145,44 @@ def render_report(
     return result
 
 
-def _latency(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> None:
+def far_out(values: np.ndarray) -> int:
+    """How many of ``values`` lie beyond ``LOG_AXIS_RATIO`` times their median and beyond ``FAR_S``. Any such value
+    makes the latency axis logarithmic."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return 0
+    limit = max(LOG_AXIS_RATIO * float(np.median(np.abs(values))), FAR_S)
+    return int((values > limit).sum())
+
+
+def _duration(s: float) -> str:
+    return f"{s:,.0f} s" if s < 7_200 else f"{s / 3_600:,.1f} h" if s < 172_800 else f"{s / 86_400:,.1f} days"
+
+
+def _latency(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> str:
+    """Draw the chart; what its axis is, in a few words."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
+    drawn = []
     for p, v in m.items():
         ok = ~np.isnan(v["p90"])
         for q, style in (("p50", ":"), ("p90", "-"), ("p99", "--")):
-            ax.plot(v["t"][ok] - t0, v[q][ok], style, label=f"{p} {q}")
-    ax.set(xlabel="seconds since the first batch", ylabel="click latency, s", title="Click latency per batch")
+            # A marker on every batch: a pipeline with one batch (a short backfill) is a point, not an empty line.
+            ax.plot(v["t"][ok] - t0, v[q][ok], style, marker=".", ms=4, label=f"{p} {q}")
+            drawn.append(v[q][ok])
+    values = np.concatenate(drawn)
+    title, note = "Click latency per batch", "linear axis"
+    if far := far_out(values):
+        # Symmetric log: linear within 1 s of zero, so that a latency below zero (a click stamped ahead, within the
+        # clock skew) is still drawn; logarithmic beyond.
+        ax.set_yscale("symlog", linthresh=1.0)
+        top = _duration(float(np.nanmax(values)))
+        note = f"log axis: {far} of {len(values)} latencies far above the rest, up to {top}"
+        title += f" (log axis: up to {top})"
+    ax.set(xlabel="seconds since the first batch", ylabel="click latency, s", title=title)
     ax.legend(ncol=2, fontsize=8)
     ax.grid(alpha=0.3)
     written.append(_save(fig, to / "latency.png"))
+    return note
 
 
 def _shares(plt: Any, m: dict[str, dict[str, np.ndarray]], t0: float, to: Path, written: list[Path]) -> None:

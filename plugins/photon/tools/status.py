@@ -1,9 +1,15 @@
 """`photon status`: how each pipeline is doing, from the registry's main server and the files it reads and writes.
 
-Per pipeline: its last committed batch and when, the lease holding it and its last heartbeat, its lag (the oldest
-closed log file of its data center it has not consumed yet, and how long that file has waited), the clicks waiting
-in its retry set (and how many are due), and over a recent window its click latency, clicks, joins and wasted share
-(clicks it joined but lost at registration to the other pipeline, per click it read). Read-only everywhere.
+Per pipeline: its state (running, idle between leases, finished, stalled), its last committed batch and when, the
+lease holding it and its last heartbeat, its lag (the oldest closed log file of its data center it has not consumed
+yet, and how long that file has waited; how far its listing is behind the newest log partition; for one created with a
+start, the history before it that no pipeline has consumed), the clicks waiting in its retry set (and how many are
+due), and over a recent window its click latency, clicks, joins and wasted share (clicks it joined but lost at
+registration to the other pipeline, per click it read). Read-only everywhere.
+
+A backfill joins one window of its data center's logs, which the registry does not record: the files outside it are
+not its lag, so a backfill has none; its state says whether its run is over (``finished``: it released its lease,
+which ``photon join --until-caught-up`` does once caught up).
 """
 
 from __future__ import annotations
@@ -13,14 +19,19 @@ import json
 import os
 from collections.abc import Iterable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from photon.logs.layout import list_closed
+from photon.joiner.discovery import first_event_us, history_left, is_after_start, start_marks
+from photon.logs.layout import list_closed, partition_of, partition_start_us
 from photon.pg import autocommit
+from photon.settings import load_settings
 
 US = 1_000_000
 BACKFILL_PREFIX = "backfill-"
+# A lease whose heartbeat is older than this is taken for dead, as a standby judges it (three heartbeat periods).
+STALE_S = 15.0
 
 
 def when(us: int | None) -> str:
@@ -42,6 +53,30 @@ def ago(seconds: float | None) -> str:
     return f"{seconds / 86_400:.1f} days ago"
 
 
+def span(seconds: float) -> str:
+    """A duration a person reads: seconds, minutes, hours or days."""
+    return ago(seconds).removesuffix(" ago")
+
+
+def lag_lines(record: dict[str, Any]) -> list[str]:
+    """The lag as lines a person reads: how far behind the logs a live pipeline is (when a couple of partitions or
+    more), how long its oldest unconsumed file has waited, and the history before its start that no pipeline has
+    consumed (a backfill to run)."""
+    lag = record["lag"]
+    if lag is None:
+        return ["? (no logs folder)"]
+    waits = [(v["waiting_s"], k) for k, v in lag.items() if v is not None]
+    lines = ["caught up" if not waits else f"{max(waits)[1]}: oldest waiting {max(waits)[0]:,.0f} s"]
+    behind = record.get("behind_s")
+    if behind is not None and behind >= 120:  # a caught-up pipeline is within a minute or two of the newest one
+        lines.insert(0, f"{span(behind)} behind the logs")
+    history = record.get("history")
+    if history and history["files"]:
+        hours = ", ".join(history["hours"][:4]) + (", ..." if len(history["hours"]) > 4 or history["unread"] else "")
+        lines.append(f"history before its start: {history['files']:,} click files consumed by no pipeline ({hours})")
+    return lines
+
+
 def _dc_of(pipeline: str, out: Path | None) -> str | None:
     """The data center a pipeline reads: recorded by the joiner in ``<out>/<pipeline>/_pipeline.json``."""
     if out is not None:
@@ -55,28 +90,60 @@ def _dc_of(pipeline: str, out: Path | None) -> str | None:
     return pipeline
 
 
-def _oldest_unconsumed(cur: Any, pipeline: str, folder: Path, kind: str, since: str | None) -> tuple[str, float] | None:
-    """(name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed, listed as its joiner
-    lists them: from the partition its last batch recorded on."""
-    names = [f.rel for f in list_closed(folder, since)]
+def state_of(kind: str, lease_holder: str | None, heartbeat_age_s: float | None) -> str:
+    """``running`` (a lease holds the pipeline and beats), ``stalled`` (a lease holds it but its heartbeat stopped: it
+    died, and the next lease or a standby takes over), else ``finished`` for a backfill (its run released the
+    pipeline) and ``idle`` for a live pipeline (between leases, or its DAG paused)."""
+    if lease_holder is None:
+        return "finished" if kind == "backfill" else "idle"
+    if heartbeat_age_s is None or heartbeat_age_s > STALE_S:
+        return "stalled"
+    return "running"
+
+
+def _oldest_unconsumed(
+    cur: Any, pipeline: str, folder: Path, kind: str, since: str | None, start_us: int | None = None
+) -> tuple[tuple[str, float] | None, str | None, str | None]:
+    """((name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed, the oldest partition
+    holding such a file, the newest partition listed), listed as its joiner lists them: from the partition its last
+    batch recorded on, without the history before a live pipeline's start (``start_us``: a backfill's)."""
+    files = list(list_closed(folder, since))
+    names = [f.rel for f in files]
+    newest = max((f.part for f in files if f.part is not None), default=None)
     if not names:
-        return None
+        return None, None, newest
     cur.execute(
         "SELECT name FROM photon.consumed_files WHERE pipeline = %s AND kind = %s AND name = ANY(%s)",
         (pipeline, kind, names),
     )
     consumed = {r[0] for r in cur.fetchall()}
     oldest: tuple[str, float] | None = None
-    for n in names:
-        if n in consumed:
+    oldest_part: str | None = None
+    for f in files:
+        if f.rel in consumed:
             continue
         try:
-            mtime = os.stat(folder / n).st_mtime
+            mtime = os.stat(folder / f.rel).st_mtime
+            if start_us is not None and not is_after_start(f.rel, start_us, partial(first_event_us, folder / f.rel)):
+                continue
         except FileNotFoundError:
             continue
         if oldest is None or mtime < oldest[1]:
-            oldest = (n, mtime)
-    return oldest
+            oldest = (f.rel, mtime)
+        if f.part is not None and (oldest_part is None or f.part < oldest_part):
+            oldest_part = f.part
+    return oldest, oldest_part, newest
+
+
+def _history_scope(cur: Any, out: Path | None) -> tuple[str | None, dict[str, str | None]]:
+    """For the history report: the oldest partition whose consumed-file records GC has kept (those behind the
+    registry's horizon are forgotten, and their clicks with them; the GC threshold of this server's shards, moved
+    in the same run; None if GC has not run here), and every pipeline's data center."""
+    cur.execute("SELECT max(gc_threshold_us) FROM photon.shard_state")
+    threshold = cur.fetchone()[0]
+    cur.execute("SELECT pipeline FROM photon.pipelines")
+    of_dc = {str(p): _dc_of(str(p), out) for (p,) in cur.fetchall()}
+    return (partition_of(int(threshold)) if threshold else None), of_dc
 
 
 def handover_gaps(cur: Any, pipeline: str, since_us: int) -> list[float]:
@@ -125,7 +192,7 @@ def pipeline_status(
             "SELECT p.pipeline, p.epoch, p.last_batch, p.lease_owner,"
             " (extract(epoch FROM p.lease_started_at) * 1e6)::bigint,"
             " (extract(epoch FROM p.heartbeat_at) * 1e6)::bigint,"
-            " (extract(epoch FROM b.committed_at) * 1e6)::bigint, b.epoch, b.queries_from, b.clicks_from"
+            " (extract(epoch FROM b.committed_at) * 1e6)::bigint, b.epoch, p.start_us, b.queries_from, b.clicks_from"
             " FROM photon.pipelines p LEFT JOIN photon.batches b"
             " ON b.pipeline = p.pipeline AND b.batch_seq = p.last_batch"
             " WHERE cardinality(%s::text[]) = 0 OR p.pipeline = ANY(%s::text[])"
@@ -136,8 +203,10 @@ def pipeline_status(
         unknown = sorted(set(wanted) - {r[0] for r in rows})
         if unknown:
             raise ValueError(f"no pipeline named {', '.join(unknown)} in the registry")
+        seal_s = load_settings().seal_s
+        history_since, of_dc = _history_scope(cur, out)
         records = []
-        for pipeline, epoch, last_batch, holder, lease_at, beat_at, batch_at, batch_epoch, *marks in rows:
+        for pipeline, epoch, last_batch, holder, lease_at, beat_at, batch_at, batch_epoch, start_us, *marks in rows:
             cur.execute(
                 "SELECT count(*), coalesce(sum(clicks), 0), coalesce(sum(joined), 0), coalesce(sum(wasted), 0),"
                 " percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_p50_s), max(latency_p90_s),"
@@ -147,19 +216,47 @@ def pipeline_status(
             batches, clicks, joined, wasted, p50, p90, p99 = cur.fetchone()
             gaps = handover_gaps(cur, pipeline, now_us - int(window_s * US))
             dc = _dc_of(pipeline, out)
+            kind = "backfill" if pipeline.startswith(BACKFILL_PREFIX) else "live"
+            live = kind == "live"
+            beat_age = None if beat_at is None else round((now_us - beat_at) / US, 3)
             lag: dict[str, Any] | None = None
-            if logs is not None and dc is not None:
-                lag = {}
-                for kind, since in zip(("queries", "clicks"), marks, strict=True):
-                    found = _oldest_unconsumed(cur, pipeline, logs / dc / kind, kind, since)
-                    lag[kind] = (
+            behind_s: float | None = None
+            history: dict[str, Any] | None = None
+            if logs is not None and dc is not None and live:
+                lag, parts = {}, []
+                if batch_epoch is None and start_us is not None:  # no batch yet: where its first lease lists from
+                    marks = list(start_marks(int(start_us), now_us, seal_s).values())
+                for log_kind, since in zip(("queries", "clicks"), marks, strict=True):
+                    start = int(start_us) if start_us is not None and log_kind == "clicks" else None
+                    found, oldest_part, newest = _oldest_unconsumed(
+                        cur, pipeline, logs / dc / log_kind, log_kind, since, start
+                    )
+                    lag[log_kind] = (
                         None if found is None else {"file": found[0], "waiting_s": round(now_us / US - found[1], 3)}
+                    )
+                    parts.append((oldest_part, newest))
+                # Lag: how far behind the newest log partition its listing is (a live pipeline joining old history
+                # shows it here, not only in its latency); 0 when it has consumed every file it lists.
+                newest_part = max((n for _, n in parts if n is not None), default=None)
+                oldest_parts = [o for o, _ in parts if o is not None]
+                if live:
+                    behind_s = 0.0
+                    if oldest_parts and newest_part is not None:
+                        behind_s = (partition_start_us(newest_part) - partition_start_us(min(oldest_parts))) / US
+                if live and start_us is not None:
+                    pipelines_of_dc = [p for p, d in of_dc.items() if d == dc]
+                    history = history_left(
+                        cur, logs / dc / "clicks", int(start_us), pipelines_of_dc, seal_s, since=history_since
                     )
             records.append(
                 {
                     "pipeline": pipeline,
-                    "kind": "backfill" if pipeline.startswith(BACKFILL_PREFIX) else "live",
+                    "kind": kind,
+                    "state": state_of(kind, holder, beat_age),
                     "dc": dc,
+                    "start_us": start_us,  # where it started reading; None: the beginning of the logs
+                    "behind_s": behind_s,
+                    "history": history,
                     "epoch": int(epoch),
                     "last_batch": int(last_batch),
                     "last_batch_at_us": batch_at,
@@ -167,7 +264,7 @@ def pipeline_status(
                     "lease_holder": holder,
                     "lease_started_at_us": lease_at,
                     "heartbeat_at_us": beat_at,
-                    "heartbeat_age_s": None if beat_at is None else round((now_us - beat_at) / US, 3),
+                    "heartbeat_age_s": beat_age,
                     "lag": lag,
                     "retries": _retries(out, pipeline, int(last_batch), batch_epoch, now_us),
                     "recent": {

@@ -1,0 +1,34 @@
+"""The names a person and a reader use for an hour: ``photon final --hour`` and the marker's file name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from photon.tools.completeness import HOUR_US, decide_final, hour_interval, marker_path
+
+US = 1_000_000
+H13 = 1_795_525_200 * US  # 2026-11-24T13:00:00Z
+
+
+@pytest.mark.parametrize("text", ["2026-11-24T13", "2026-11-24T13:00", "2026-11-24T13:00:00Z", "2026-11-24T15+02:00"])
+def test_an_hour_is_named_in_utc_or_with_its_offset(text: str) -> None:
+    assert hour_interval(text) == (H13, H13 + HOUR_US)
+
+
+@pytest.mark.parametrize("text", ["2026-11-24T13:30", "13:00", "yesterday"])
+def test_anything_but_the_start_of_an_hour_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="hour"):
+        hour_interval(text)
+
+
+def test_the_marker_of_an_hour_is_named_by_the_hour_and_other_intervals_by_both_ends() -> None:
+    out = Path("/out")
+    assert marker_path(out, H13, H13 + HOUR_US) == out / "_final" / "2026112413.json"
+    assert marker_path(out, H13, H13 + HOUR_US // 2) == out / "_final" / "202611241300-202611241330.json"
+
+
+def test_a_missing_logs_folder_is_an_error_not_an_hour_without_input(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        decide_final({"main": "host=/nonexistent"}, tmp_path / "logs", tmp_path / "out", H13, H13 + HOUR_US)
