@@ -23,7 +23,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from photon.joiner.discovery import first_event_us, history_left, is_after_start, start_marks
 from photon.logs.layout import list_closed, partition_of, partition_start_us
 from photon.pg import autocommit
 from photon.settings import load_settings
@@ -107,6 +106,9 @@ def _oldest_unconsumed(
     """((name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed, the oldest partition
     holding such a file, the newest partition listed), listed as its joiner lists them: from the partition its last
     batch recorded on, without the history before a live pipeline's start (``start_us``: a backfill's)."""
+    # Imported here: the joiner package loads pyarrow, which `photon --help` must not.
+    from photon.joiner.discovery import first_event_us, is_after_start
+
     files = list(list_closed(folder, since))
     names = [f.rel for f in files]
     newest = max((f.part for f in files if f.part is not None), default=None)
@@ -184,6 +186,8 @@ def pipeline_status(
     window_s: float = 300.0,
 ) -> list[dict[str, Any]]:
     """One record per pipeline (all, or those named), ordered live first, then backfills, by name."""
+    from photon.joiner.discovery import history_left, start_marks
+
     wanted = list(pipelines)
     with autocommit(main_dsn, guard=False) as conn, conn.cursor() as cur:  # read-only: diagnoses a refused server too
         cur.execute("SELECT photon.clock_us()")
