@@ -35,10 +35,10 @@ from photon.airflow.standalone import default_parallelism, registry_connection
 from photon.pg import autocommit, drop_database
 from photon.registry.admin import init_registry
 from photon.tools.audit import audit
+from tests.readme_blocks import block_after
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-AIRFLOW = str(Path(sys.executable).parent / "airflow")
 WILDCARD = {"0.0.0.0", "::", ""}
 
 
@@ -345,18 +345,21 @@ def photon_cli(*args: str, env: dict[str, str]) -> str:
     return r.stdout
 
 
-def backfill_create(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``airflow backfill create`` as the README has it: nothing but AIRFLOW_HOME (its airflow.cfg names the metadata
-    database, the DAGs and the plugins)."""
-    env = {"PATH": os.environ["PATH"], "AIRFLOW_HOME": str(home / "airflow"), "HOME": os.environ.get("HOME", "/")}
-    return subprocess.run(
-        [AIRFLOW, "backfill", "create", "--dag-id", "photon_backfill", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+def run_readme_block(marker: str, home: Path, registry: str, dates: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The README's code block after the line holding ``marker``, pasted into a fresh shell in the clone: ``bash``
+    with no venv on PATH and no Airflow settings. Only its example dates become the test's hours, and ``.photon`` is
+    this test's home (PHOTON_HOME) on this test's registry; PYTHONPATH makes `.venv/bin/photon` import this clone."""
+    script = "\n".join(c.text for c in block_after(marker))
+    for example, actual in dates.items():
+        assert example in script, (example, script)
+        script = script.replace(example, actual)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"), "PHOTON_HOME": str(home)}
+    env |= {"PHOTON_REGISTRY_DSN": registry, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
     )
+    assert r.returncode == 0, f"{script}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return r
 
 
 def joined_ids(folder: Path) -> list[str]:
@@ -445,8 +448,10 @@ def test_backfill_while_a_joiner_lease_runs(
 
         t_backfill = time.monotonic()
         first, last = hours[0].strftime("%Y-%m-%dT%H:%M:%S"), hours[-1].strftime("%Y-%m-%dT%H:%M:%S")
-        r = backfill_create(home, "--from-date", first, "--to-date", last, "--max-active-runs", "2")
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        # The README's command, as pasted (its two example dates the test's first and last hours).
+        run_readme_block(
+            "**Backfill history**", home, registry, {"2026-11-20T00:00:00": first, "2026-11-20T05:00:00": last}
+        )
 
         def backfill_done() -> list[dict[str, Any]] | None:
             runs = [x for x in api.runs("photon_backfill") if x["run_type"] == "backfill"]
@@ -486,6 +491,24 @@ def test_backfill_while_a_joiner_lease_runs(
             wasted, clicks, prefiltered = (int(v or 0) for v in cur.fetchone())
         assert clicks > 0 and wasted / clicks < 0.05, (wasted, clicks, prefiltered)
 
+        # The README's data-quality check of one hour, as pasted (its example hour the middle backfilled one): the
+        # run passes, and its Data Docs are written.
+        t_quality = time.monotonic()
+        run_readme_block("To check one hour now", home, registry, {"2026-11-20T03": f"{hours[1]:%Y-%m-%dT%H}"})
+
+        def quality_done() -> list[dict[str, Any]] | None:
+            runs = api.runs("photon_data_quality")
+            failed = [
+                (x, api.task_states("photon_data_quality", x["dag_run_id"])) for x in runs if x["state"] == "failed"
+            ]
+            assert not failed, f"{failed}\n{af.tail(12000)}"
+            return runs if len(runs) == 1 and runs[0]["state"] == "success" else None
+
+        runs = wait_for("the README's data-quality run", quality_done, 300, af)
+        assert runs[0]["run_type"] == "manual" and runs[0]["conf"] == {"hour": f"{hours[1]:%Y-%m-%dT%H}"}, runs
+        assert (out / "_quality" / "data_docs" / "index.html").is_file()
+        quality_s = time.monotonic() - t_quality
+
         # (Re-running an hour writes nothing new: test_airflow.py's backfill test runs each interval twice.)
 
         # Stopped mid-lease, as a service manager would: nothing survives.
@@ -495,7 +518,8 @@ def test_backfill_while_a_joiner_lease_runs(
         assert metadata_sessions(pg_admin_dsn, metadata_db) == 0
         print(
             f"ready after {ready_s:.1f}s; backfill of 3 hours beside the lease {backfill_s:.1f}s, wasted {wasted:,} of "
-            f"{clicks:,} clicks read ({prefiltered:,} pre-filtered); stopped mid-lease in "
+            f"{clicks:,} clicks read ({prefiltered:,} pre-filtered); the README's data-quality run {quality_s:.1f}s; "
+            "stopped mid-lease in "
             f"{stop_s:.1f}s; {len(af.seen)} processes; whole test {time.monotonic() - t_start:.0f}s"
         )
     finally:
