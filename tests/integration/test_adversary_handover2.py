@@ -89,7 +89,10 @@ class Proxy:
 
     def _before_forward(self, header: bytes, body: bytes) -> None:
         """Called with each message from the client before it goes to the server (a subclass may hold it)."""
-        if header[:1] == b"Q" and b"standby" in body and self.freeze.is_set():
+        # The standby's own statements only: others name a standby too (every registry read's sync barrier asks
+        # for synchronous_standby_names), and a joiner's lease start must not hang with them.
+        standbys = (b"photon.announce_standby(", b"photon.withdraw_standby(", b"photon.standbys")
+        if header[:1] == b"Q" and any(s in body for s in standbys) and self.freeze.is_set():
             self.thaw.wait()
 
     def _handle(self, client: socket.socket) -> None:
