@@ -194,3 +194,22 @@ def test_the_failover_budget_runs_from_the_first_failure() -> None:
 
     assert across_failover(long_pass, budget_s=0.5) == "done"
     assert len(calls) == 2
+
+
+def test_the_executors_registry_retries_a_failover_as_long_as_the_driver_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PHOTON_REGISTRY_FAILOVER_S reaches the registrations Spark's Python workers make (step 5), not only the
+    driver's commits: before, the workers' IdRegistry had the 45 s default whatever the setting, so a slower
+    failover failed the batch there. The driver passes its budget in the batch's task (a worker on another host
+    may not share its environment), and RegistryOptions reads the setting by default."""
+    from photon.joiner.tasks import _registry
+    from photon.registry.client import RegistryOptions
+
+    monkeypatch.setenv("PHOTON_REGISTRY_FAILOVER_S", "90")
+    assert RegistryOptions().failover_s == 90.0
+    monkeypatch.delenv("PHOTON_REGISTRY_FAILOVER_S")
+    assert RegistryOptions().failover_s == 45.0
+    servers = {"main": "host=127.0.0.1 port=1 dbname=x user=x"}
+    assert _registry(servers, 20.0, 120.0).options.failover_s == 120.0
+    assert _registry(servers, 20.0, 7.0).options.failover_s == 7.0

@@ -25,6 +25,7 @@ from photon.joiner.state import Lease, PipelineState
 from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _source_task, _Task, read_markers
 from photon.logs.parse import BAD_FIELDS
 from photon.logs.schemas import QUARANTINE
+from photon.pg import failover_s as default_failover_s
 from photon.registry.clock import ServerClock
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class BatchRunner:
             retry_max_s=self.s.retry_max_s,
             adapter=self.s.adapter,
             max_future_s=self.s.max_future_s,
+            failover_s=default_failover_s(),
             max_clock_skew_us=int(self.s.max_clock_skew_s * US),
             clock_offset_us=self.clock.offset.offset_us,
             settle_s=self.s.settle_s,

@@ -106,13 +106,14 @@ def run_adapter(path: str, batch: pa.RecordBatch) -> pa.Table:
     return out
 
 
-def _registry(servers: Mapping[str, str], max_future_s: float) -> Any:
+def _registry(servers: Mapping[str, str], max_future_s: float, failover_s: float) -> Any:
     """One IdRegistry per Python worker (workers are reused across tasks), keeping its shard connections."""
     from photon.registry.client import IdRegistry, RegistryOptions
 
-    key = (*sorted(servers.items()), ("max_future_s", str(max_future_s)))
+    key = (*sorted(servers.items()), ("max_future_s", str(max_future_s)), ("failover_s", str(failover_s)))
     if key not in _REGISTRIES:
-        _REGISTRIES[key] = IdRegistry(dict(servers), RegistryOptions(max_future_s=max_future_s))
+        options = RegistryOptions(max_future_s=max_future_s, failover_s=failover_s)
+        _REGISTRIES[key] = IdRegistry(dict(servers), options)
     return _REGISTRIES[key]
 
 
@@ -208,6 +209,9 @@ class _Task:
     retry_max_s: float
     adapter: str
     max_future_s: float
+    # How long a registration retries a lost registry server (PHOTON_REGISTRY_FAILOVER_S, read by the driver: a
+    # worker on another host may not share its environment).
+    failover_s: float = 45.0
     max_clock_skew_us: int = int(MAX_CLOCK_SKEW_S * US)
     clock_offset_us: int = 0  # server minus the driver's host: joined_at_us (a measurement only) on the server's scale
     settle_s: float = SETTLE_S
@@ -427,7 +431,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         give_up(due.filter(pa.array(ts < PLAUSIBLE_FROM_US)), REASON_BEFORE)
         due = due.filter(pa.array(~_implausible(ts, now, int(t.max_future_s * US))))
     if due.num_rows:
-        reg = _registry(dict(t.servers), t.max_future_s)
+        reg = _registry(dict(t.servers), t.max_future_s, t.failover_s)
         # 2. registry pre-filter: someone else's click is dropped; ours (a retry after a crash) goes on.
         found = reg.lookup(due.column("click_id"))
         taken = found.registered & (found.tokens != t.token)

@@ -52,6 +52,7 @@ from photon.pg import (
     is_transient,
     sync_barrier,
 )
+from photon.pg import failover_s as default_failover_s
 from photon.registry import sql as q
 from photon.registry.owners import Token
 from photon.registry.sharding import SERVER_NAME_RE, ShardConfig, ShardLayout, ShardRef
@@ -108,7 +109,7 @@ class RegistryOptions:
     # A lost server is retried (whole transactions, a multi-host DSN finding the new primary) this long: a failover
     # takes Patroni's ttl plus the promotion (PHOTON_REGISTRY_FAILOVER_S). Before issue 21 the only bound was
     # max_attempts, about 5 s of backoff: a failover failed the batch.
-    failover_s: float = 45.0
+    failover_s: float = field(default_factory=default_failover_s)
     backoff_base_s: float = 0.02
     backoff_max_s: float = 2.0
     connect_attempts: int = 3
