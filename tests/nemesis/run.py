@@ -539,7 +539,7 @@ class Nemesis:
         offset = self.skewed.pop(dc, None)
         if offset is None:
             return
-        ran = b" batch " in self.lease_log[dc].read_bytes()
+        ran = ran_a_batch(self.lease_log[dc])
         if abs(offset) <= SKEW_S:
             self.outcome.faults["clock_within_ran" if ran else "clock_unchecked"] += 1
         elif code == 2 and b"PHOTON_MAX_CLOCK_SKEW_S" in self.lease_log[dc].read_bytes():
@@ -605,7 +605,7 @@ class Nemesis:
                     self._start_lease(dc, self.next_clock.pop(dc, 0.0))
                     continue
                 first = self.first_batch_at[dc]
-                if first is None and b" batch " in self.lease_log[dc].read_bytes():
+                if first is None and ran_a_batch(self.lease_log[dc]):
                     self.first_batch_at[dc] = first = now
                 if first is not None and dc in self.kill_pending and now - first >= self.kill_pending[dc]:
                     del self.kill_pending[dc]
