@@ -123,6 +123,8 @@ class QualityResult:
     output_files: int = 0  # of how many listed
     input_seconds: float = 0.0  # listing and parsing the interval's click files
     output_seconds: float = 0.0  # bringing the output index up to date and reading the outcomes
+    # Seconds per phase: input, output (as above), frames, gx_setup, validation, data_docs, localize (bench/quality.py)
+    phases: dict[str, float] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)  # "batch: expectation(column)" of every failed expectation
     details: list[str] = field(default_factory=list)  # the same, with what was observed
     statistics: dict[str, Any] = field(default_factory=dict)
@@ -484,6 +486,7 @@ def check_quality(
     t_output = time.monotonic()
     found = outcomes(out, clicks)
     t_done = time.monotonic()
+    phases = {"input": t_output - t_input, "output": t_done - t_output}
     complete = completeness_frame(found)
     joined, unjoinable = _joined(out, start_us, end_us)
     quarantined, unattributed = _quarantined(out, logs, start_us, end_us, int(s.max_clock_skew_s * US))
@@ -495,6 +498,8 @@ def check_quality(
     rates = pd.DataFrame({"unjoinable_rate": [unjoinable / decided], "quarantine_rate": [quarantined / decided]})
     root = out / QUALITY_DIR
     root.mkdir(parents=True, exist_ok=True)
+    t_gx = time.monotonic()
+    phases["frames"] = t_gx - t_done
     context = _context(root)
     datasource = context.data_sources.add_or_update_pandas("photon_output")
     definitions = []
@@ -511,6 +516,8 @@ def check_quality(
     statistics: dict[str, Any] = {}
     success = True
     site = root / "data_docs"
+    t_run = time.monotonic()
+    phases["gx_setup"] = t_run - t_gx
     for definition, frame_ in zip(definitions, (frame, rates, complete), strict=True):
         checkpoint = context.checkpoints.add_or_update(
             gx.Checkpoint(
@@ -529,7 +536,10 @@ def check_quality(
                     cfg = r.expectation_config
                     failed.append(f"{definition.name}: {cfg.type}({cfg.kwargs.get('column', '')})")
                     details.append(f"{failed[-1]}: {_observed(r.result)}")
+    t_localize = time.monotonic()
+    phases["validation"] = t_localize - t_run
     localize_data_docs(site)
+    phases["localize"] = time.monotonic() - t_localize
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
     no_outcome = complete["no_outcome"].dropna().tolist()
     twice = complete["joined_more_than_once"].dropna().tolist()
@@ -558,6 +568,7 @@ def check_quality(
         output_files=found.files,
         input_seconds=round(t_output - t_input, 3),
         output_seconds=round(t_done - t_output, 3),
+        phases={k: round(v, 3) for k, v in phases.items()},
         failed=failed,
         details=details,
         statistics=statistics,
