@@ -199,6 +199,7 @@ _INDEX_SCHEMA = pa.schema(
 )
 _TS_LO, _TS_HI = -(2**63), 2**63 - 1
 SAMPLE_IDS = 5
+PARSE_GROUP_BYTES = 8 << 20  # click files parsed in one call (interval_clicks)
 
 
 def interval_click_files(logs: Path, start_us: int, end_us: int) -> list[Path]:
@@ -241,8 +242,32 @@ def interval_click_files(logs: Path, start_us: int, end_us: int) -> list[Path]:
 
 def interval_clicks(files: list[Path]) -> pa.Table:
     """Distinct well-formed clicks (``click_id``, ``ts_us``) of the files, by the joiner's own parser: a line it
-    quarantines is no click here either (quarantine is checked by its own rate)."""
-    tables = [parse_file(f.name, f.read_bytes(), "clicks")[0].select(["click_id", "ts_us"]) for f in files]
+    quarantines is no click here either (quarantine is checked by its own rate).
+
+    The files are parsed together, a few MB at a time: Arrow's JSON reader costs about 1 ms a call however short the
+    input, and an hour holds thousands of one-second files per replica (20 s for 14,570 files, 0.5 s together). A
+    file whose last line is torn (no final newline) gets one, so that line stays a line of its own, as when the file
+    is parsed alone: parsing is line by line, so the events are the same."""
+    tables: list[pa.Table] = []
+    group: list[bytes] = []
+    size = 0
+
+    def parse_group() -> None:
+        nonlocal size
+        if group:
+            tables.append(parse_file("interval", b"".join(group), "clicks")[0].select(["click_id", "ts_us"]))
+        group.clear()
+        size = 0
+
+    for f in files:
+        data = f.read_bytes()
+        if not data:
+            continue
+        group.append(data if data.endswith(b"\n") else data + b"\n")
+        size += len(data)
+        if size >= PARSE_GROUP_BYTES:
+            parse_group()
+    parse_group()
     if not tables:
         return pa.table({"click_id": pa.array([], pa.string()), "ts_us": pa.array([], pa.int64())})
     t = pa.concat_tables(tables)
