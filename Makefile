@@ -14,7 +14,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -139,6 +139,12 @@ bench-pipeline: setup
 # Trigger and lease-start cost at 20 k, 200 k and 2 M files seen (about 10 minutes; removes what it made).
 bench-discovery: setup
 	"$(PY)" -m bench.discovery $(BENCH_ARGS)
+
+# One data-quality check by phase (input, output, GX validation, Data Docs, localize): 10,000 and 100,000 clicks in an
+# hour, output in 1-s batch files or one file, a fresh site or a month of history, idle and with 2 busy processes
+# (about 30 minutes; BENCH_ARGS="--clicks 10000 --runs 3" for less).
+bench-quality: setup
+	"$(PY)" -m bench.quality $(BENCH_ARGS)
 
 # Lease hand-over gaps and click latency: standby leases, sequential leases, one process (about 10 minutes).
 bench-handover: setup

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from photon.logs.layout import partition_of
+from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
 from photon.tools.generator import GeneratorSettings, generate
 from photon.tools.quality import NotSettled, QualitySettings, check_quality
@@ -545,3 +546,23 @@ def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
     assert wide.settled_at_us(END) == END + (640 + 120 + 120) * US
     with pytest.raises(NotSettled, match="seal 640 s after it ends"):
         check_quality(out, logs, START, END, wide, now_us=settled)
+
+
+def test_interval_clicks_parses_files_together_as_each_alone(tmp_path: Path) -> None:
+    """The click files are parsed together (one Arrow read per few MB): a file's torn last line must stay its own
+    line, not swallow the next file's first click, and a torn tail that is a whole event still counts, as when each
+    file is parsed alone."""
+    from photon.tools.quality import interval_clicks
+
+    a, b, c = (START + k * US for k in (1, 2, 3))
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(json.dumps(click_line(a)) + '\n{"click_id": ')  # a crashed writer's tail, no newline
+    whole = tmp_path / "whole-tail.jsonl"
+    whole.write_text(json.dumps(click_line(b)) + "\n" + json.dumps(click_line(c)))  # its last event lacks "\n"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    files = [torn, whole, empty, torn]
+    together = interval_clicks(files).sort_by("click_id")
+    alone = [parse_file(f.name, f.read_bytes(), "clicks")[0]["click_id"].to_pylist() for f in files]
+    assert together["click_id"].to_pylist() == sorted({i for ids in alone for i in ids})
+    assert together["click_id"].to_pylist() == sorted(_click_id(ts) for ts in (a, b, c))
