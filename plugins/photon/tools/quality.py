@@ -88,6 +88,10 @@ class QualitySettings:
     # delay plus this margin (batch time, retry backoff, publication) to be decided.
     max_join_delay_s: float = 120.0  # the joiners' JoinSettings.max_join_delay_s
     settle_margin_s: float = 120.0
+    # The Data Docs index reads every validation result it lists (about 5 ms each), so it would grow with the
+    # history: it lists the newest this many (a week of hourly checks, three results each); older results keep
+    # their pages, unlisted.
+    index_results: int = 3 * 24 * 7
 
     def settled_at_us(self, end_us: int) -> int:
         """When the interval ending at ``end_us`` has settled: no click file can land in it any more, and every click
@@ -479,7 +483,7 @@ def _quiet_gx() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"great_expectations(\.|$)")
 
 
-def _context(root: Path) -> Any:
+def _context(root: Path, index_results: int) -> Any:
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
@@ -489,15 +493,16 @@ def _context(root: Path) -> Any:
         context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
         context.variables.save()
     site = str(root / "data_docs")
-    if "photon" not in (context.variables.data_docs_sites or {}):
-        context.add_data_docs_site(
-            site_name="photon",
-            site_config={
-                "class_name": "SiteBuilder",
-                "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": site},
-                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-            },
-        )
+    config: Any = {
+        "class_name": "SiteBuilder",
+        "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": site},
+        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder", "validation_results_limit": index_results},
+    }
+    sites = context.variables.data_docs_sites or {}
+    if "photon" not in sites:
+        context.add_data_docs_site(site_name="photon", site_config=config)
+    elif dict(sites["photon"].get("site_index_builder") or {}) != config["site_index_builder"]:
+        context.update_data_docs_site(site_name="photon", site_config=config)  # a site made before the limit
     return context
 
 
@@ -570,7 +575,7 @@ def check_quality(
     root.mkdir(parents=True, exist_ok=True)
     t_gx = time.monotonic()
     phases["frames"] = t_gx - t_done
-    context = _context(root)
+    context = _context(root, s.index_results)
     datasource = context.data_sources.add_or_update_pandas("photon_output")
     definitions = []
     for name, suite in _suites(gx, s).items():
