@@ -110,11 +110,19 @@ def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
         return psycopg2.extensions.make_dsn(dsn, user=name, password=password)
 
     yield make
-    with autocommit(pg_admin_dsn) as conn, conn.cursor() as cur:
-        for name in made:
-            # Sessions still open as the role (a Spark worker's cached registry client) hold temp tables it owns.
-            cur.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s", (name,))
-            cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+    # A plain connection: a session that exits between pg_stat_activity and pg_terminate_backend makes the server
+    # warn ("PID ... is not a PostgreSQL backend process"), which photon.pg's guarded cursor takes, as it must for the
+    # registry's own statements, for a commit no standby may hold.
+    conn = psycopg2.connect(pg_admin_dsn)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for name in made:
+                # Sessions still open as the role (a Spark worker's cached registry client) hold temp tables it owns.
+                cur.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s", (name,))
+                cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+    finally:
+        conn.close()
 
 
 # The slowest tests as measured last (`make test` prints the 15 slowest), longest first, each a node id or the
