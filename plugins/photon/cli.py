@@ -241,8 +241,9 @@ def registry_reshard(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         console.print(
-            f"shard configuration v{report.version} ({report.num_shards} shards, valid from {report.valid_from_us} us):"
-            f" {report.state} after {report.waited_s:.1f}s; acknowledged by {report.acknowledged or 'no live joiner'}"
+            f"shard configuration v{report.version} ({report.num_shards} shards, valid from "
+            f"{when(report.valid_from_us)}): {report.state} after {report.waited_s:.1f}s; acknowledged by "
+            f"{', '.join(sorted(report.acknowledged)) or 'no live joiner'}"
             + (f"; {report.reason}" if report.reason else "")
         )
     raise typer.Exit(0 if report.state == "active" else 1)

@@ -56,6 +56,20 @@ def test_registry_gc_names_its_thresholds_in_utc_whole_at_80_columns(
     assert "…" not in result.output and max(map(len, result.output.splitlines())) <= 80, result.output
 
 
+def test_registry_reshard_says_when_its_configuration_is_valid_from_in_utc(
+    make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It printed 'valid from 1795580484188010 us' and the acknowledgements as a dict (`make demo`'s line too)."""
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", make_db())
+    runner = CliRunner()
+    assert runner.invoke(app, ["registry", "init", "--shards", "2"]).exit_code == 0
+    result = runner.invoke(app, ["registry", "reshard", "--shards", "4", "--lead", "30"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.output.split())  # rich wraps at 80 columns
+    assert re.search(r"valid from \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ\): active after", line), line
+    assert line.endswith("acknowledged by no live joiner"), line
+
+
 def test_unknown_placement_server_is_a_clear_error(make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHOTON_REGISTRY_DSN", make_db())
     result = CliRunner().invoke(app, ["registry", "init", "--place", "main,pg9"])
