@@ -198,15 +198,16 @@ def registry_gc(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
-    table = Table(title=("dry run: would free" if dry_run else "freed") + f" below {report.target_us} us")
-    for col in ("shard", "server", "threshold before", "threshold after", "partitions", "rows", "bytes"):
+    # Times a person reads, as `registry status` shows them (microseconds since the epoch are in --json).
+    table = Table(title=("dry run: would free" if dry_run else "freed") + f" below {when(report.target_us)}")
+    for col in ("shard", "server", "threshold before (UTC)", "threshold after (UTC)", "partitions", "rows", "bytes"):
         table.add_column(col, justify="left" if col in ("shard", "server") else "right")
     for sh in report.shards:
         table.add_row(
             sh.shard,
             sh.server,
-            str(sh.threshold_before_us),
-            str(sh.threshold_after_us),
+            when(sh.threshold_before_us) if sh.threshold_before_us > 0 else "none yet",
+            when(sh.threshold_after_us),
             str(len(sh.partitions)),
             f"{sh.rows_freed + sh.straggler_rows:,}",
             f"{sh.bytes_freed:,}",
@@ -240,8 +241,9 @@ def registry_reshard(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         console.print(
-            f"shard configuration v{report.version} ({report.num_shards} shards, valid from {report.valid_from_us} us):"
-            f" {report.state} after {report.waited_s:.1f}s; acknowledged by {report.acknowledged or 'no live joiner'}"
+            f"shard configuration v{report.version} ({report.num_shards} shards, valid from "
+            f"{when(report.valid_from_us)}): {report.state} after {report.waited_s:.1f}s; acknowledged by "
+            f"{', '.join(sorted(report.acknowledged)) or 'no live joiner'}"
             + (f"; {report.reason}" if report.reason else "")
         )
     raise typer.Exit(0 if report.state == "active" else 1)

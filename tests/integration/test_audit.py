@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from photon.cli import app
-from photon.tools.audit import audit, input_from_logs
+from photon.tools.audit import audit, input_from_logs, print_audit
 from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.audit_fixtures import perfect_output, rewrite
 
@@ -79,6 +80,10 @@ def test_lost_click_fails(out: Path, logs: Path) -> None:
     r = run(out, logs)
     assert r.lost == 1 and r.lost_by_expectation == {"join": 1} and r.samples["lost"] == [gone]
     assert not r.ok
+    # The person's line names what the lost clicks had to be, in words: it printed "lost 1 {np.str_('join'): 1}".
+    console = Console(record=True, width=200)
+    print_audit(r, console)
+    assert "; lost 1 (must join 1); unexpected 0;" in console.export_text()
 
 
 def test_a_must_join_click_given_up_is_lost(out: Path, logs: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,6 +40,34 @@ def test_registry_init_is_idempotent_and_status_reports_it(
     assert [s["table"] for s in st["configs"][0]["shards"]] == ["ids_c1_s0", "ids_c1_s1", "ids_c1_s2"]
     human = runner.invoke(app, ["registry", "status"])
     assert human.exit_code == 0 and "ids_c1_s2" in human.output
+
+
+def test_registry_gc_names_its_thresholds_in_utc_whole_at_80_columns(
+    make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `registry status` does: it printed microseconds since the epoch, cut to '1795322392279…' at 80 columns."""
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", make_db())
+    runner = CliRunner()
+    assert runner.invoke(app, ["registry", "init", "--shards", "2"]).exit_code == 0
+    assert runner.invoke(app, ["registry", "gc"]).exit_code == 0  # the thresholds move from none
+    result = runner.invoke(app, ["registry", "gc", "--dry-run"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert re.search(r"would free below \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ\n", result.output), result.output
+    assert "…" not in result.output and max(map(len, result.output.splitlines())) <= 80, result.output
+
+
+def test_registry_reshard_says_when_its_configuration_is_valid_from_in_utc(
+    make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It printed 'valid from 1795580484188010 us' and the acknowledgements as a dict (`make demo`'s line too)."""
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", make_db())
+    runner = CliRunner()
+    assert runner.invoke(app, ["registry", "init", "--shards", "2"]).exit_code == 0
+    result = runner.invoke(app, ["registry", "reshard", "--shards", "4", "--lead", "30"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.output.split())  # rich wraps at 80 columns
+    assert re.search(r"valid from \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ\): active after", line), line
+    assert line.endswith("acknowledged by no live joiner"), line
 
 
 def test_unknown_placement_server_is_a_clear_error(make_db: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:

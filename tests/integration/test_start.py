@@ -183,3 +183,51 @@ def test_history_before_the_start_is_the_backfills_exactly_once(
     assert record["start_us"] is None and record["history"] is None
     assert record["behind_s"] >= 30 * 60, record
     assert lag_lines(record)[0].endswith("behind the logs")
+
+
+def test_a_new_pipelines_first_lease_heartbeats_while_it_indexes_the_queries_before_its_start(
+    tmp_path: Path,
+    make_db: Callable[[], str],
+    login_as: Callable[[str, str], str],
+    spark: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first lease of a pipeline created with a start indexes every sealed query partition from the horizon to
+    its start before its first batch: minutes for two hours of history on a loaded machine (issue 22's newcomer
+    pass through `make airflow`). Without a heartbeat meanwhile, the other lease slot's standby took it for dead
+    after 15 s and fenced it, built the same index again, and the first lease's task failed with FencedError. So the
+    lease heartbeats while it builds: the real build is held here until the registry shows a heartbeat after the
+    lease's start (never, on the code before)."""
+    import photon.joiner.query_index as query_index
+
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    servers = {"main": login_as(dsn, "photon_joiner")}
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    h0 = (int(time.time() * US) // HOUR_US - 1) * HOUR_US
+    history = GeneratorSettings(
+        dcs=("dc-a",), events_per_s=1.0, query_servers=1, click_servers=1, rotate_s=30.0, chunk_s=60.0
+    )
+    generate(history, logs, start_us=h0, end_us=h0 + 4 * MINUTE_US)
+    build = query_index.ensure_indexed
+    beat_while_building: list[bool] = []
+
+    def held_build(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        built = build(*args, **kwargs)
+        deadline = time.monotonic() + 20  # 100 heartbeat periods
+        with autocommit(dsn) as conn, conn.cursor() as cur:
+            while time.monotonic() < deadline:
+                cur.execute("SELECT heartbeat_at > lease_started_at FROM photon.pipelines WHERE pipeline = 'dc-a'")
+                if cur.fetchone()[0]:
+                    beat_while_building.append(True)
+                    break
+                time.sleep(0.05)
+        return built
+
+    monkeypatch.setattr(query_index, "ensure_indexed", held_build)
+    settings = JoinSettings(trigger_interval_s=0.1, heartbeat_s=0.2, start=h0 + 3 * MINUTE_US)
+    live = Joiner("dc-a", logs, out, servers, spark, settings)
+    live.start()
+    live.release()
+    assert beat_while_building, "the lease's heartbeat never moved while it built the shared query index"
+    assert query_index.index_root(out, "dc-a").is_dir()  # the real build ran

@@ -174,6 +174,8 @@ def test_the_ready_message_has_url_user_and_password_on_one_line(tmp_path: Path)
     lines = ready_lines(d, 17.25)
     assert lines[0] == lines[-1] == "=" * 72  # framed: easy to find in the scroll-back
     assert lines[1] == "ready after 17.2s: http://127.0.0.1:18080  user admin  password s3cret"
+    # pasteable into a plain shell in the clone, where `airflow` is not on PATH
+    assert lines[3] == "  other airflow commands: .venv/bin/photon airflow-cli ... (this home and environment)"
     assert "without: HTTP access log (--access-log), DAG-parse bookkeeping" in lines[4]
     assert "without: DAG-parse bookkeeping (" in ready_lines(deployment(tmp_path, access_log=True), 1.0)[4]
     d.password_file.unlink()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from photon.tools.completeness import HOUR_US, decide_final, hour_interval, marker_path
+from photon.tools.completeness import HOUR_US, decide_final, hour_interval, marker_path, summary
 
 US = 1_000_000
 H13 = 1_795_525_200 * US  # 2026-11-24T13:00:00Z
@@ -32,3 +32,13 @@ def test_the_marker_of_an_hour_is_named_by_the_hour_and_other_intervals_by_both_
 def test_a_missing_logs_folder_is_an_error_not_an_hour_without_input(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         decide_final({"main": "host=/nonexistent"}, tmp_path / "logs", tmp_path / "out", H13, H13 + HOUR_US)
+
+
+def test_the_one_line_answer_groups_thousands_as_the_other_commands_do() -> None:
+    """It said '2872 click files, 16667 clicks' beside `photon status`'s '16,559 joined'."""
+    final = {"start": "2026-11-25T01:00:00Z", "end": "2026-11-25T02:00:00Z", "final": True}
+    final |= {"decided_at": "2026-11-25T04:42:12Z", "click_files": 2872, "input_clicks": 16667, "lost_data_centers": []}
+    assert summary(final) == (
+        "[2026-11-25T01:00:00Z, 2026-11-25T02:00:00Z) is final (decided at 2026-11-25T04:42:12Z): 2,872 click files,"
+        " 16,667 clicks"
+    )

@@ -505,7 +505,8 @@ def ready_lines(deployment: LocalAirflow, took_s: float) -> list[str]:
         rule,
         f"ready after {took_s:.1f}s: {deployment.url}  user admin  password {password}",
         f"  the password is kept in {deployment.password_file}",
-        f"  other airflow commands: AIRFLOW_HOME={deployment.airflow_home} airflow ...",
+        # `airflow` is not on a plain shell's PATH; `photon airflow-cli` is, as the README says, in the clone.
+        "  other airflow commands: .venv/bin/photon airflow-cli ... (this home and environment)",
         console,
         rule,
     ]

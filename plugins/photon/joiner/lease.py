@@ -147,7 +147,10 @@ class Joiner:
         retry = self.state_dir / "retries" / batch_tag(*last) if last else None
         self.batches.retry_dir = retry if retry and retry.is_dir() else None
         _check_state(self.batches.retry_dir, self.state_dir / "eventstore", self.clock.now_us(), self.s.bucket_s)
-        self._prepare_lookups(lease.start_us, new_pipeline=not committed)
+        # Building the shared query index can take minutes (hours of query history): heartbeat meanwhile, or a
+        # standby takes the lease for dead after 15 s and fences it.
+        with self.state.heartbeating(lease, self.s.heartbeat_s):
+            self._prepare_lookups(lease.start_us, new_pipeline=not committed)
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
 

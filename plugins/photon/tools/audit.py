@@ -171,7 +171,9 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     must_join = expect == "join"
     lost = (must_join & ~in_joined) | (~must_join & ~in_joined & ~in_unjoinable)
     report.lost = int(lost.sum())
-    report.lost_by_expectation = {k: int(v) for k, v in zip(*np.unique(expect[lost], return_counts=True), strict=True)}
+    report.lost_by_expectation = {
+        str(k): int(v) for k, v in zip(*np.unique(expect[lost], return_counts=True), strict=True)
+    }
     report.samples["lost"] = _sample(input_ids.filter(pa.array(lost)))
     report.outcomes = {
         "joined": int(in_joined.sum()),
@@ -333,6 +335,12 @@ def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
     return clicks_tbl, files
 
 
+def _by_expectation(counts: dict[str, int]) -> str:
+    """' (must join 19,387, unjoinable 190)': what the manifest said the lost clicks must become."""
+    words = {"join": "must join"}
+    return f" ({', '.join(f'{words.get(k, k)} {n:,}' for k, n in sorted(counts.items()))})" if counts else ""
+
+
 def print_audit(report: AuditReport, console: Console) -> None:
     """The report for a person: the verdict, then one line per measure (``photon audit``, the demo)."""
     from rich.markup import escape
@@ -341,7 +349,7 @@ def print_audit(report: AuditReport, console: Console) -> None:
     console.print(f"audit against the {report.source}: {verdict}")
     console.print(
         f"  input clicks {report.input_clicks:,}; joined rows {report.joined_rows:,}; duplicates "
-        f"{report.duplicate_clicks}; lost {report.lost} {report.lost_by_expectation or ''}; unexpected "
+        f"{report.duplicate_clicks}; lost {report.lost:,}{_by_expectation(report.lost_by_expectation)}; unexpected "
         f"{report.unexpected}; joined to another query {report.wrong_query}"
     )
     o = report.outcomes

@@ -356,7 +356,7 @@ def _judge_consumption(
             waiting_for[dc] = unconsumed
     for dc, rels in waiting_for.items():
         d.reasons.append(
-            f"{dc}: {len(rels)} of {len(by_dc.get(dc, []))} click files not consumed yet by a pipeline that decides"
+            f"{dc}: {len(rels):,} of {len(by_dc.get(dc, [])):,} click files not consumed yet by a pipeline that decides"
             f" them (e.g. {', '.join(sorted(rels)[:SAMPLES])})"
         )
     lost_only = {
@@ -368,7 +368,7 @@ def _judge_consumption(
     d.unconsumed_in_lost = len(lost_only)
     if lost_only and not live_dcs:
         d.reasons.append(
-            f"{len(lost_only)} click files are consumed by no pipeline that decides them, and no data center has a"
+            f"{len(lost_only):,} click files are consumed by no pipeline that decides them, and no data center has a"
             " live pipeline (a heartbeat within the last lost_after_s) to take them"
         )
     elif lost_only:
@@ -410,7 +410,7 @@ def _judge_retries(d: Finality, out: Path, ids: pa.Array, pipes: Mapping[str, _P
         d.pipelines[p.name]["waiting"] = len(mine)
         if len(mine):
             d.reasons.append(
-                f"{p.name}: {len(mine)} click(s) of the interval wait in its retry queue for their query (batch"
+                f"{p.name}: {len(mine):,} click(s) of the interval wait in its retry queue for their query (batch"
                 f" {p.last_batch}; e.g. {', '.join(sorted(mine.to_pylist())[:SAMPLES])})"
             )
 
@@ -444,7 +444,7 @@ def _judge_registrations(d: Finality, servers: Mapping[str, str], ids: pa.Array)
     d.in_flight = n
     named = [f"{owners.get(o, f'owner {o}')}/{b}" for o, b in open_pairs[:SAMPLES]]
     d.reasons.append(
-        f"{n} click(s) of the interval are registered by batches not published ({', '.join(named)}): their pipeline"
+        f"{n:,} click(s) of the interval are registered by batches not published ({', '.join(named)}): their pipeline"
         " re-runs the batch, or the verifier recovers them"
     )
 
@@ -499,7 +499,7 @@ def _judge_redispatched(
     d.redispatched_waiting = len(waiting)
     if waiting:
         d.reasons.append(
-            f"{len(waiting)} click(s) of the interval were re-dispatched by the verifier and no pipeline has taken"
+            f"{len(waiting):,} click(s) of the interval were re-dispatched by the verifier and no pipeline has taken"
             f" them yet ({', '.join(sorted(set(found) - taken)[:SAMPLES])})"
         )
 
@@ -556,8 +556,8 @@ def summary(d: Finality | Mapping[str, Any]) -> str:
     if x["final"]:
         lost = f"; lost data centers {', '.join(x['lost_data_centers'])}" if x["lost_data_centers"] else ""
         return (
-            f"{window} is final (decided at {x['decided_at']}): {x['click_files']} click files,"
-            f" {x['input_clicks']} clicks{lost}"
+            f"{window} is final (decided at {x['decided_at']}): {x['click_files']:,} click files,"
+            f" {x['input_clicks']:,} clicks{lost}"
         )
     return f"{window} is not final: {x['reasons'][0]}" + (
         f" (and {len(x['reasons']) - 1} more)" if len(x["reasons"]) > 1 else ""

@@ -16,6 +16,7 @@ from photon.logs.ids import EventKeys
 from photon.registry.admin import init_registry
 from photon.registry.client import IdRegistry, Outcome, servers_from_settings
 from photon.registry.owners import create_owner, end_owner
+from photon.tools.status import when
 
 
 def _demo_keys(num_ids: int, seed: int, now: int) -> EventKeys:
@@ -186,7 +187,8 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
             r = reshard(servers, num_shards=8, lead_s=30, max_clock_skew_s=settings.max_clock_skew_s)
             console.print(
                 f"  reshard to v{r.version} ({r.num_shards} shards): {r.state} after {r.waited_s:.1f}s, acknowledged "
-                f"by {', '.join(sorted(r.acknowledged))}; in force from {r.valid_from_us} us {r.reason}"
+                f"by {', '.join(sorted(r.acknowledged))}; in force from {when(r.valid_from_us)}"
+                + (f"; {r.reason}" if r.reason else "")
             )
         except BaseException as exc:
             errors.append(exc)
