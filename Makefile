@@ -14,7 +14,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality bench-parse lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -135,6 +135,11 @@ bench-generator: setup
 
 bench-pipeline: setup
 	"$(PY)" -m bench.pipeline $(BENCH_ARGS)
+
+# parse_file against bare pyarrow.json on the same lines: four shapes of generator output in 20,000-line files, 7
+# alternating runs (about 1 minute; BENCH_ARGS="--runs 3 --shapes clicks" for less).
+bench-parse: setup
+	"$(PY)" -m bench.parse $(BENCH_ARGS)
 
 # Trigger and lease-start cost at 20 k, 200 k and 2 M files seen (about 10 minutes; removes what it made).
 bench-discovery: setup

@@ -253,6 +253,13 @@ _PARSE = {
 }
 
 
+def _one(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """The column as one array: its only chunk as it is (``combine_chunks`` would copy it)."""
+    if isinstance(col, pa.Array):
+        return col
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
 def _non_empty(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.fill_null(pc.greater(pc.binary_length(col), 0), False).to_numpy(zero_copy_only=False)
 
@@ -266,7 +273,7 @@ _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 
 def _sure_ids(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
     """Per row: the id is surely valid (see ``SURE_ID``) and, given ``ts``, its timestamp part is exactly ``ts``."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = _one(col)
     ok = pc.fill_null(pc.match_substring_regex(arr, SURE_ID), False).to_numpy(zero_copy_only=False)
     if ts is None or not ok.any():
         return ok
@@ -301,7 +308,7 @@ def _screen(t: pa.Table, kind: str) -> np.ndarray:
     for name in ("ad_id",) if kind == "clicks" else ("user_id", "query_text", "country"):
         ok &= _non_empty(t.column(name))
     if kind == "queries":
-        ads = t.column("ads").combine_chunks()
+        ads = _one(t.column("ads"))
         ok &= pc.fill_null(pc.greater(pc.list_value_length(ads), 0), False).to_numpy(zero_copy_only=False)
         flat = pc.list_flatten(ads)
         if len(flat):
@@ -327,7 +334,25 @@ def _is_blank(b: np.ndarray) -> np.ndarray:
     return (b == 32) | (b == 9) | (b == 13)  # space, tab, CR
 
 
-def _suspect_lines(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+SCAN_BYTES = 1 << 18  # a multiple of 64 (the bracket blocks); its temporaries stay in the CPU's cache
+
+
+def _scan(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The byte passes parsing needs, block by block: where the newlines are, one bit per byte for ``[`` and ``{``
+    (packed), and where the bytes ``I`` to ``N`` are. A block's temporaries are reused while still in cache: a pass
+    over the whole file at once costs twice as much (each temporary a fresh allocation, read back from memory)."""
+    newlines, brackets, letters = [], [], []
+    for at in range(0, len(buf), SCAN_BYTES):
+        block = buf[at : at + SCAN_BYTES]
+        newlines.append(np.flatnonzero(block == 10) + at)
+        brackets.append(np.packbits((block | 32) == 123))  # [ or {
+        letters.append(np.flatnonzero((block - 73) <= 5) + at)  # I..N
+    return np.concatenate(newlines), np.concatenate(brackets), np.concatenate(letters)
+
+
+def _suspect_lines(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, bits: np.ndarray, letter: np.ndarray
+) -> np.ndarray:
     """Per line: whether Arrow might read it otherwise than the reference, judged from bytes alone (strings too, so
     a few good lines are suspected as well: they just take the reference path). Vectorised, no per-line Python.
 
@@ -339,14 +364,14 @@ def _suspect_lines(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.
       ``}null``) makes more rows than lines: the chunk is refused, not misread.
     - ``N`` or ``I`` after ``:``, ``,``, ``[`` or ``-`` (blanks aside): ``NaN``, ``Infinity`` or Arrow's ``Inf``,
       which Arrow reads (and skips, in a field nobody reads) and the reference refuses.
+
+    ``bits`` and ``letter`` come from ``_scan``.
     """
-    bits = np.packbits((buf | 32) == 123)  # [ or {
     per_block = np.bitwise_count(np.concatenate((bits, np.zeros(-len(bits) % 8, np.uint8))).view(np.uint64))
     cum = np.concatenate(([0], np.cumsum(per_block, dtype=np.int64)))
     suspect = cum[np.minimum(ends // 64 + 1, len(cum) - 1)] - cum[starts // 64] > MAX_DEPTH
     last, before = buf[np.maximum(ends - 1, 0)], buf[np.maximum(ends - 2, 0)]
     suspect |= _is_lead(last) | (_is_blank(last) & (_is_lead(before) | _is_blank(before)))
-    letter = np.flatnonzero((buf - 73) <= 5)  # I..N, then exactly I or N
     letter = letter[(buf[letter] == 73) | (buf[letter] == 78)]
     one, two = buf[np.maximum(letter - 1, 0)], buf[np.maximum(letter - 2, 0)]
     lead1, lead2 = _is_lead(one) | (one == 45), _is_lead(two) | (two == 45)
@@ -401,7 +426,7 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
         good, bad = parse_file_by_line(name, content, kind)
         return good, bad, np.zeros(0, np.int64), np.zeros(0, np.int64)
     buf = np.frombuffer(content, np.uint8)
-    ends = np.flatnonzero(buf == 10)
+    ends, bits, letters = _scan(buf)
     if buf[-1] != 10:
         ends = np.append(ends, len(content))
     starts = np.concatenate(([0], ends[:-1] + 1))
@@ -446,8 +471,9 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
     # certainly malformed (not ending in "}", blanks aside: a truncated line, say), each of which would make Arrow
     # refuse a whole chunk, and the chunk be read again around it.
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
-    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | _suspect_lines(buf, starts, ends)
-    odd |= ~_ends_in_brace(buf, ends) | _invalid_utf8(content, starts, ends)
+    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{"))
+    odd |= _suspect_lines(buf, starts, ends, bits, letters) | ~_ends_in_brace(buf, ends)
+    odd |= _invalid_utf8(content, starts, ends)
     doubt.extend(np.flatnonzero(odd).tolist())
     edges = np.flatnonzero(odd)
     a = 0
