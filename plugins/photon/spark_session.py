@@ -21,8 +21,10 @@ LOG4J2_PROPERTIES = Path(__file__).resolve().with_name("log4j2.properties")
 
 def driver_java_options() -> str:
     """The driver JVM's options for a quiet start (``spark.driver.extraJavaOptions``; as a URI, so that a path with
-    spaces stays one option)."""
-    return f"-Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}"
+    spaces stays one option), and ``PHOTON_SPARK_DRIVER_JAVA_OPTIONS``."""
+    # Read here, not through photon.settings: this module is foundation and imports nothing of photon.
+    extra = os.environ.get("PHOTON_SPARK_DRIVER_JAVA_OPTIONS", "").strip()
+    return f"-Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}" + (f" {extra}" if extra else "")
 
 
 def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: int = 8) -> Any:
