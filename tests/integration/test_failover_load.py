@@ -179,14 +179,22 @@ def test_both_joiners_carry_on_across_a_lost_primary(
             _wait("dc-a mid-batch", 60, lambda: _registered_not_committed(cur, "dc-a"), joiners, live, 0.02)
         killed_unix, killed = time.time(), time.monotonic()
         old = registry_cluster.kill_primary()
-        # The input ends now (its last run within SEGMENT_S): what arrives during the failover is the joiners' work
-        # after it, and then they drain and exit by themselves.
-        live.stopped = True
-
+        # The input goes on through the failover and after it, until each joiner has shown it carries on: batches
+        # of new input committed after the promotion. (It used to stop at the kill: a joiner quick enough to join
+        # the failover's backlog in one batch then had one batch after the promotion and nothing more to do.)
         _wait("a new primary", 90, lambda: registry_cluster.primary() not in (None, old), joiners, live)
         promoted_unix, promoted_s, new = time.time(), time.monotonic() - killed, registry_cluster.primary()
         registry_cluster.restart_node(old)  # the old primary comes back at once: rewound, it follows the new one
-        rejoined_s = registry_cluster.wait_streaming(old, timeout=90)
+        restarted = time.monotonic()
+        _wait(f"{old} streaming again", 90, lambda: registry_cluster.streams(old), joiners, live, 0.5)
+        rejoined_s = time.monotonic() - restarted
+
+        def carried_on() -> bool:
+            batches = _batches(n.owner)
+            return all(sum(c > promoted_unix for _, _, c in batches.get(dc, [])) >= AFTER_PROMOTION for dc in DCS)
+
+        _wait(f"{AFTER_PROMOTION} batches of each pipeline after the promotion", 180, carried_on, joiners, live)
+        live.stopped = True  # the input ends (its last run within SEGMENT_S); the joiners drain and exit
         for dc, proc in joiners.items():  # never restarted: each joins on, drains, and exits by itself
             assert proc.wait(timeout=120) == 0, f"{dc}'s joiner failed: {logs[dc].read_text()[-3000:]}"
         live.finish(timeout=60)

@@ -455,15 +455,21 @@ class LocalCluster:
         started = time.monotonic()
         while True:
             node = next(n for n in self.status() if n.name == name)
-            if (
-                node.role != "leader"
-                and node.state == "streaming"
-                and node.sync_state in ("quorum", "sync", "potential")
-            ):
+            if self._streams(node):
                 return time.monotonic() - started
             if time.monotonic() - started > timeout:
                 raise ClusterError(f"{name} does not stream after {timeout:.0f} s: {node}")
             time.sleep(0.5)
+
+    def streams(self, name: str) -> bool:
+        """Whether ``name`` is, right now, what ``wait_streaming`` waits for."""
+        return self._streams(next(n for n in self.status() if n.name == name))
+
+    @staticmethod
+    def _streams(node: NodeStatus) -> bool:
+        return (
+            node.role != "leader" and node.state == "streaming" and node.sync_state in ("quorum", "sync", "potential")
+        )
 
     # -- configuration -------------------------------------------------------------------------------------------
 
