@@ -486,6 +486,31 @@ def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks
     assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
 
 
+def test_quarantine_reads_only_files_decided_since_the_interval_could_begin(tmp_path: Path) -> None:
+    """A pipeline's quarantine/ holds a file per batch with bad lines: a month of them by the time an hour is
+    checked. Only the files whose lines were decided since the interval's files could arrive (the index's
+    decided_at_us range) are opened; an old one is listed, not read (it was: every check read the whole history).
+    A file that turns up in the history later with lines of this hour's input still counts."""
+    w = World()
+    out, logs = w.write(tmp_path)
+    old = pa.Table.from_pylist(
+        [{**r, "decided_at_us": START - 2 * 24 * HOUR} for r in w.quarantine if r["pipeline"] == "dc-a"],
+        schema=QUARANTINE_SCHEMA,
+    )
+    for k in range(20):  # two days before: other hours' bad lines (their files are those of this test's World)
+        pq.write_table(old, out / "dc-a" / "quarantine" / f"part-old-{k}.parquet")
+    r = check_quality(out, logs, START, END)
+    assert r.success and r.quarantined == 5, r.details
+    assert (r.quarantine_files, r.quarantine_files_read) == (22, 2)  # part-0 of dc-a and dc-b
+    late = pa.Table.from_pylist(
+        [{**r, "line": r["line"] + 100, "decided_at_us": START + 30 * 60 * US} for r in w.quarantine[:3]],
+        schema=QUARANTINE_SCHEMA,
+    )
+    pq.write_table(late, out / "dc-a" / "quarantine" / "part-late.parquet")
+    r = check_quality(out, logs, START, END)
+    assert r.quarantined == 8 and (r.quarantine_files, r.quarantine_files_read) == (23, 3), r
+
+
 def _write_sized(table: pa.Table, path: Path, size: int) -> None:
     """``table`` written to ``path`` padded (key-value metadata) to exactly ``size`` bytes."""
 

@@ -64,7 +64,14 @@ from photon.joiner.common import RECOVERED_PREFIX
 from photon.joiner.discovery import first_event_us
 from photon.logs.layout import MINUTE_US, data_center_of, partition_of
 from photon.logs.parse import parse_file
-from photon.logs.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, UNJOINABLE, UNJOINABLE_SCHEMA
+from photon.logs.schemas import (
+    JOINED,
+    JOINED_SCHEMA,
+    QUARANTINE,
+    QUARANTINE_SCHEMA,
+    UNJOINABLE,
+    UNJOINABLE_SCHEMA,
+)
 from photon.settings import time_bound_s
 from photon.tools.audit import pipelines_in, read_output
 
@@ -125,6 +132,8 @@ class QualityResult:
     samples: dict[str, list[str]] = field(default_factory=dict)  # a few click ids of each failure
     output_files_read: int = 0  # joined/ and unjoinable/ files the completeness check opened
     output_files: int = 0  # of how many listed
+    quarantine_files_read: int = 0  # quarantine/ files opened: those holding lines decided since the interval began
+    quarantine_files: int = 0  # of how many listed
     input_seconds: float = 0.0  # listing and parsing the interval's click files
     output_seconds: float = 0.0  # bringing the output index up to date and reading the outcomes
     # Seconds per phase: input, output (as above), frames, gx_setup, validation, data_docs, localize (bench/quality.py)
@@ -142,7 +151,9 @@ class QualityResult:
 # What _joined needs of each kind of output, read once by ``outcomes`` together with the click ids it counts.
 JOINED_COLUMNS = [*REQUIRED, "user_id", "country", "advertiser_id", "bid_micros"]
 OUTPUT_COLUMNS = {JOINED: JOINED_COLUMNS, UNJOINABLE: ["click_id", "click_ts_us"]}
-_OUTPUT_SCHEMAS = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA}
+_OUTPUT_SCHEMAS = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
+# The time each kind's index ranges over: the click's, or for quarantine (whose records carry none) the decision's.
+_INDEX_TIME = {JOINED: "click_ts_us", UNJOINABLE: "click_ts_us", QUARANTINE: "decided_at_us"}
 
 
 def _with_folder(t: pa.Table, pipeline: str) -> pa.Table:
@@ -179,15 +190,28 @@ def _joined(
     return joined, len(gave_up)
 
 
-def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int) -> tuple[int, int]:
-    """(distinct quarantined lines whose log file belongs to ``[start_us, end_us)``, records whose file is gone)."""
+def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int) -> tuple[int, int, int, int]:
+    """(distinct quarantined lines whose log file belongs to ``[start_us, end_us)``, records whose file is gone,
+    quarantine files read, listed). Only the files whose indexed ``decided_at_us`` range reaches ``since`` are opened:
+    a pipeline writes one per batch with bad lines, a month of them in its history."""
     # A file whose first event is stamped at or after start closed after start - skew; no pipeline decided its lines
     # before that (2x: the deciding machine's clock may be skewed too).
-    since = ds.field("decided_at_us") >= start_us - 2 * skew_us
-    q = read_output(out, QUARANTINE, ["kind", "file", "line"], since)
+    since_us = start_us - 2 * skew_us
+    columns = ["kind", "file", "line"]
+    tables = []
+    read = listed = 0
+    for pipeline in pipelines_in(out):
+        index = output_index(out, pipeline, QUARANTINE)
+        listed += index.num_rows
+        wanted = (index["max_ts"].to_numpy() >= since_us) & (index["rows"].to_numpy() > 0)
+        paths = [str(out / pipeline / QUARANTINE / rel) for rel in index["file"].filter(pa.array(wanted)).to_pylist()]
+        t, n = _read_files(paths, QUARANTINE_SCHEMA, columns, ds.field("decided_at_us") >= since_us)
+        read += n
+        tables.append(_with_folder(t, pipeline))
+    q = pa.concat_tables(tables) if tables else _with_folder(QUARANTINE_SCHEMA.empty_table().select(columns), "")
     q = q.filter(pc.invert(pc.starts_with(q["file"], RECOVERED_PREFIX)))
     if q.num_rows == 0:
-        return 0, 0
+        return 0, 0, read, listed
     first: dict[tuple[str, str], int | None] = {}
     dcs = {p: data_center_of(out, p) for p in pc.unique(q["folder"]).to_pylist()}
     for row in q.group_by(["folder", "kind", "file"]).aggregate([]).to_pylist():
@@ -204,7 +228,29 @@ def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int
     unattributed = int(pc.sum(pc.is_in(key_col, value_set=pa.array(gone, pa.string())).cast(pa.int64())).as_py() or 0)
     if unattributed:
         log.warning("%d quarantine record(s) name log files no longer under %s: not counted", unattributed, logs)
-    return lines.group_by(["kind", "file", "line"]).aggregate([]).num_rows, unattributed
+    return lines.group_by(["kind", "file", "line"]).aggregate([]).num_rows, unattributed, read, listed
+
+
+def _read_files(
+    paths: list[str], schema: pa.Schema, columns: list[str], where: ds.Expression | None = None
+) -> tuple[pa.Table, int]:
+    """``columns`` of the rows of ``paths`` (matching ``where``), and how many files were read. One multi-threaded
+    scan (2.5x faster than a read per file for thousands of small batch files); a file removed since it was listed
+    counts as never there, an unreadable one raises ``QualityInputError``."""
+    sub = pa.schema([schema.field(c) for c in columns])
+    try:
+        return ds.dataset(paths, format="parquet", schema=schema).to_table(columns=columns, filter=where), len(paths)
+    except (FileNotFoundError, pa.ArrowInvalid, OSError):
+        parts = []  # find which, file by file
+        for path in paths:
+            try:
+                t = pq.read_table(path, schema=schema)
+            except FileNotFoundError:
+                continue
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise QualityInputError(f"output file {path} is unreadable: {exc}") from exc
+            parts.append((t.filter(where) if where is not None else t).select(columns))
+        return (pa.concat_tables(parts) if parts else sub.empty_table()), len(parts)
 
 
 # -- Completeness: every click of the interval's input has exactly one outcome ------------------------------------
@@ -220,7 +266,7 @@ _INDEX_SCHEMA = pa.schema(
         ("ctime_ns", pa.int64()),
         ("inode", pa.int64()),
         ("rows", pa.int64()),
-        ("min_ts", pa.int64()),  # click_ts_us; INT64 min/max when the footer cannot bound it (nulls, no statistics)
+        ("min_ts", pa.int64()),  # _INDEX_TIME[kind]; INT64 min/max when the footer cannot bound it (nulls, no stats)
         ("max_ts", pa.int64()),
     ]
 )
@@ -302,21 +348,21 @@ def interval_clicks(files: list[Path]) -> pa.Table:
     return t.group_by("click_id", use_threads=False).aggregate([("ts_us", "min")]).rename_columns(["click_id", "ts_us"])
 
 
-def _footer_range(path: Path) -> tuple[int, int, int]:
-    """(rows, min, max click_ts_us) from a Parquet footer; the whole range where it cannot bound the column."""
+def _footer_range(path: Path, column: str = "click_ts_us") -> tuple[int, int, int]:
+    """(rows, min, max of ``column``) from a Parquet footer; the whole range where it cannot bound the column."""
     meta = pq.ParquetFile(path).metadata
     rows = meta.num_rows
     names = [meta.schema.column(i).name for i in range(meta.num_columns)]
-    if "click_ts_us" not in names:
+    if column not in names:
         return rows, _TS_LO, _TS_HI
-    col = names.index("click_ts_us")
+    col = names.index(column)
     lo, hi = _TS_HI, _TS_LO
     for g in range(meta.num_row_groups):
         cm = meta.row_group(g)
         if cm.num_rows == 0:
             continue
         st = cm.column(col).statistics
-        # A null click time (a broken row) may still carry one of our ids: such a file is always read.
+        # A null time (a broken row) may still carry one of our ids: such a file is always read.
         if st is None or not st.has_min_max or st.null_count is None or st.null_count > 0:
             return rows, _TS_LO, _TS_HI
         lo, hi = min(lo, int(st.min)), max(hi, int(st.max))
@@ -343,10 +389,11 @@ def _listed(folder: Path, prefix: str = "") -> list[tuple[str, tuple[int, int, i
 
 
 def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
-    """The click-time range of every output file of one pipeline and kind, from ``<out>/_quality/index``, brought up
-    to date: files gone are dropped, new (or changed: size, mtime, ctime or inode) files have their footer read once.
-    A published output file never changes, so a run reads the footers of what was published since the last run, not
-    of the history; listing the folder is the only cost that grows with it (measured in the README)."""
+    """The time range (``_INDEX_TIME``: the clicks', or the quarantine decisions') of every output file of one
+    pipeline and kind, from ``<out>/_quality/index``, brought up to date: files gone are dropped, new (or changed:
+    size, mtime, ctime or inode) files have their footer read once. A published output file never changes, so a run
+    reads the footers of what was published since the last run, not of the history; listing the folder is the only
+    cost that grows with it (measured in the README)."""
     path = out / QUALITY_DIR / INDEX_DIR / f"{pipeline}.{kind}.parquet"
     old: dict[str, tuple[tuple[Any, ...], int, int, int]] = {}
     if path.exists():
@@ -362,7 +409,7 @@ def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
             n, lo, hi = known[1:]
         else:
             try:
-                n, lo, hi = _footer_range(out / pipeline / kind / rel)
+                n, lo, hi = _footer_range(out / pipeline / kind / rel, _INDEX_TIME[kind])
             except FileNotFoundError:
                 continue
             except (pa.ArrowInvalid, OSError) as exc:
@@ -406,7 +453,6 @@ def outcomes(out: Path, clicks: pa.Table, interval: tuple[int, int] | None = Non
     for kind in (JOINED, UNJOINABLE):
         found: list[pa.Array] = []
         columns = OUTPUT_COLUMNS[kind] if interval is not None else ["click_id"]
-        schema = pa.schema([_OUTPUT_SCHEMAS[kind].field(c) for c in columns])
         for pipeline in pipelines_in(out):
             index = output_index(out, pipeline, kind)
             listed += index.num_rows
@@ -418,21 +464,8 @@ def outcomes(out: Path, clicks: pa.Table, interval: tuple[int, int] | None = Non
                 wanted |= (lo_ts < interval[1]) & (hi_ts >= interval[0])
             wanted &= index["rows"].to_numpy() > 0
             paths = [str(out / pipeline / kind / rel) for rel in index["file"].filter(pa.array(wanted)).to_pylist()]
-            try:  # one multi-threaded scan: 2.5x faster than a read per file for thousands of small batch files
-                t = ds.dataset(paths, format="parquet", schema=schema).to_table(columns=columns)
-                read += len(paths)
-            except (FileNotFoundError, pa.ArrowInvalid, OSError):
-                # a file removed since the listing, or a broken one: find which, file by file
-                parts = []
-                for path in paths:
-                    try:
-                        parts.append(pq.read_table(path, columns=columns, schema=schema))
-                    except FileNotFoundError:
-                        continue  # removed since the listing: as if never there
-                    except (pa.ArrowInvalid, OSError) as exc:
-                        raise QualityInputError(f"output file {path} is unreadable: {exc}") from exc
-                    read += 1
-                t = pa.concat_tables(parts) if parts else schema.empty_table()
+            t, n = _read_files(paths, _OUTPUT_SCHEMAS[kind], columns)
+            read += n
             found += t["click_id"].chunks
             if interval is not None:
                 rows[(pipeline, kind)] = t
@@ -557,7 +590,9 @@ def check_quality(
     phases = {"input": t_output - t_input, "output": t_done - t_output}
     complete = completeness_frame(found)
     joined, unjoinable = _joined(out, start_us, end_us, found.rows)
-    quarantined, unattributed = _quarantined(out, logs, start_us, end_us, int(s.max_clock_skew_s * US))
+    quarantined, unattributed, q_read, q_listed = _quarantined(
+        out, logs, start_us, end_us, int(s.max_clock_skew_s * US)
+    )
     frame = joined.to_pandas()
     frame["click_after_query_s"] = (frame["click_ts_us"] - frame["query_ts_us"]) / US
     live = ~frame["pipeline"].fillna("").str.startswith(BACKFILL_PREFIX)
@@ -642,6 +677,8 @@ def check_quality(
         samples={"no_outcome": sorted(no_outcome)[:SAMPLE_IDS], "joined_more_than_once": sorted(twice)[:SAMPLE_IDS]},
         output_files_read=found.files_read,
         output_files=found.files,
+        quarantine_files_read=q_read,
+        quarantine_files=q_listed,
         input_seconds=round(t_output - t_input, 3),
         output_seconds=round(t_done - t_output, 3),
         phases={k: round(v, 3) for k, v in phases.items()},
