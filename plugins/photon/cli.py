@@ -37,6 +37,16 @@ def servers_from_settings(settings: Settings | None = None) -> dict[str, str]:
     return servers(settings)
 
 
+def initialised_servers(settings: Settings | None = None) -> dict[str, str]:
+    """The registry servers, once the main one is known to be initialised: a command that reads the registry says
+    so in one line (exit status 2) instead of a traceback from its first query."""
+    from photon.registry.client import require_initialised
+
+    servers = servers_from_settings(settings)
+    require_initialised(servers["main"])
+    return servers
+
+
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     handler: logging.Handler
@@ -190,7 +200,7 @@ def registry_gc(
 
     settings = load_settings()
     report = collect_garbage(
-        servers_from_settings(settings),
+        initialised_servers(settings),
         retention_s=retention,
         max_clock_skew_s=settings.max_clock_skew_s,
         dry_run=dry_run,
@@ -230,7 +240,7 @@ def registry_reshard(
 
     settings = load_settings()
     report = reshard(
-        servers_from_settings(settings),
+        initialised_servers(settings),
         num_shards=shards,
         placement=[p.strip() for p in place.split(",") if p.strip()],
         lead_s=lead,
@@ -261,7 +271,7 @@ def registry_reshard_resume(
     from photon.registry.reshard import abort as abort_plan
     from photon.registry.reshard import resume
 
-    servers = servers_from_settings()
+    servers = initialised_servers()
     if abort:
         abort_plan(servers, version)
         state = "aborted"
@@ -542,7 +552,7 @@ def verify_cmd(
 
     _folder(logs, "--logs")
     _folder(out, "--out")
-    report = verify_and_recover(servers_from_settings(), out, logs, grace_s=grace, dry_run=dry_run)
+    report = verify_and_recover(initialised_servers(), out, logs, grace_s=grace, dry_run=dry_run)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
@@ -577,7 +587,7 @@ def status_cmd(
     logs = _folder(logs, "--logs") if logs is not None else (home / "logs" if (home / "logs").is_dir() else None)
     out = _folder(out, "--out") if out is not None else (home / "out" if (home / "out").is_dir() else None)
     records = pipeline_status(
-        servers_from_settings()["main"], logs=logs, out=out, pipelines=pipeline or (), window_s=window
+        initialised_servers()["main"], logs=logs, out=out, pipelines=pipeline or (), window_s=window
     )
     if as_json:
         typer.echo(json.dumps(records, indent=2))
@@ -709,7 +719,7 @@ def final_cmd(
     marker = None if recheck else read_marker(out, start_us, end_us)
     if marker is None:
         decision = decide_final(
-            servers_from_settings(settings),
+            initialised_servers(settings),
             logs,
             out,
             start_us,
@@ -751,7 +761,7 @@ def report_cmd(
     from photon.registry.admin import server_clock_us
     from photon.tools.report import live_pipelines, render_report
 
-    main_dsn = servers_from_settings()["main"]
+    main_dsn = initialised_servers()["main"]
     since_us = None if since == "all" else _parse_since(since, server_clock_us(main_dsn))
     chosen = pipeline or live_pipelines(main_dsn)
     result = render_report(main_dsn, to or load_settings().home / "report", pipelines=chosen, since_us=since_us)

@@ -645,11 +645,25 @@ class IdRegistry:
         )
 
 
+NOT_INITIALISED = "the registry is not initialised: run `photon registry init`"
+
+
+def _require_schema(cur: Any) -> None:
+    cur.execute("SELECT to_regclass('photon.shard_config') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        raise RegistryError(NOT_INITIALISED)
+
+
+def require_initialised(main_dsn: str) -> None:
+    """One clear ``RegistryError`` when ``photon registry init`` never ran on the main server, before a command's
+    first query fails on a missing schema with a traceback. Reads only."""
+    with autocommit(main_dsn) as conn, conn.cursor() as cur:
+        _require_schema(cur)
+
+
 def read_layout(main_dsn: str) -> tuple[ShardLayout, int]:
     with autocommit(main_dsn) as conn, conn.cursor() as cur:
-        cur.execute("SELECT to_regclass('photon.shard_config') IS NOT NULL")
-        if not cur.fetchone()[0]:
-            raise RegistryError("the registry is not initialised: run `photon registry init`")
+        _require_schema(cur)
         cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
         configs = [ShardConfig(int(v), int(f), int(n), str(s)) for v, f, n, s in cur.fetchall()]
         cur.execute("SELECT config_version, shard_no, server FROM photon.shard_map")
