@@ -180,3 +180,21 @@ def test_the_ready_message_has_url_user_and_password_on_one_line(tmp_path: Path)
     assert "without: DAG-parse bookkeeping (" in ready_lines(deployment(tmp_path, access_log=True), 1.0)[4]
     d.password_file.unlink()
     assert f"password (see {d.password_file})" in ready_lines(d, 1.0)[1]
+
+
+def test_third_party_warnings_of_every_airflow_command_are_left_out_unless_verbose(tmp_path: Path) -> None:
+    """A newcomer's pass: every `photon airflow-cli dags ...` began with a 3-line warning that graphviz is missing
+    (for drawing DAGs as images, which nothing here does), and Airflow's components repeated pathspec's deprecation
+    of GitWildMatchPattern 20 times in 7 minutes. The environment the components and airflow-cli run in leaves
+    those two out; the caller's own PYTHONWARNINGS comes after ours, so it wins; --verbose keeps everything."""
+    import subprocess
+    import sys
+
+    probe = "import airflow.cli.commands.dag_command"
+    bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert "graphviz" in bare.stderr + bare.stdout  # the warning this is about, on this environment
+    env = deployment(tmp_path).environment({"PATH": "/usr/bin", "PYTHONWARNINGS": "default::ResourceWarning"})
+    assert env["PYTHONWARNINGS"].endswith(",default::ResourceWarning"), env["PYTHONWARNINGS"]
+    quiet = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert quiet.returncode == 0 and "graphviz" not in quiet.stderr + quiet.stdout, quiet.stderr[-2000:]
+    assert "PYTHONWARNINGS" not in deployment(tmp_path, verbose=True).environment({"PATH": "/usr/bin"})

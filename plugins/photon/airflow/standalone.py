@@ -57,6 +57,14 @@ PR_SET_CHILD_SUBREAPER = 36
 # bookkeeping of every DAG parse (some 40 lines a minute: "setting next dagrun info" and the like).
 ACCESS_LOGGER = "http.access"
 QUIET_LOGGERS = ("airflow.serialization.definitions.dag", "airflow.models.dag")
+# Third-party warnings every component and airflow command repeats, about nothing this deployment does: Airflow's
+# CLI without graphviz (it draws DAGs as images; nothing here asks it to: three lines before each `dags` command's
+# output), pathspec's deprecation of the pattern class Airflow's .airflowignore handling uses (20 times in 7 minutes
+# of a backfill). PYTHONWARNINGS entries; left in with --verbose.
+QUIET_WARNINGS = (
+    "ignore:Could not import graphviz:UserWarning",
+    "ignore:GitWildMatchPattern:DeprecationWarning",
+)
 QUIET_STATS_INTERVAL_S = 300  # the DAG processor's table of files parsed (Airflow's default: every 30 s)
 SETTLE_S = 2.0  # the ready line waits for this long a silence of the components' output...
 SETTLE_MAX_S = 15.0  # ... but no longer than this after the API server first answers
@@ -180,6 +188,8 @@ class LocalAirflow:
         levels = "AIRFLOW__LOGGING__NAMESPACE_LEVELS"
         if base.get(levels) and levels in env and env[levels] != base[levels]:
             env[levels] = f"{env[levels]} {base[levels]}"  # the caller's levels after ours: theirs win
+        if not self.verbose:  # the caller's filters after ours: theirs win
+            env["PYTHONWARNINGS"] = ",".join([*QUIET_WARNINGS, *filter(None, [base.get("PYTHONWARNINGS")])])
         if "AIRFLOW_CONN_SPARK_DEFAULT" not in base:
             # local[*]: the Spark driver started by spark-submit stays on loopback (the default is the address the
             # hostname resolves to, reachable from outside). A cluster's spark_default keeps the machine's address.
