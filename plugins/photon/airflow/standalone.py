@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -162,6 +163,7 @@ class LocalAirflow:
             },
             "database": {"sql_alchemy_conn": self.metadata_url},
             "api": {"host": self.host, "port": str(self.port)},
+            "api_auth": {"jwt_secret": self.jwt_secret()},
             **self.logging_options(),
         }
 
@@ -208,6 +210,25 @@ class LocalAirflow:
             "PATH": os.pathsep.join([bin_dir, base.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]),
         }
+
+    def jwt_secret(self) -> str:
+        """The key the API server signs its tokens with and every component checks them with: 64 random bytes and
+        more, made once per AIRFLOW_HOME (``jwt_secret``, mode 600), so restarts and airflow-cli agree. Airflow's own
+        default is 16 bytes, which PyJWT warns is below the 64 that HS512 wants."""
+        path = self.airflow_home / "jwt_secret"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".jwt_secret.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(64) + "\n")
+            try:
+                os.link(tmp, path)  # the first writer's key: two starts at once end up with one
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return path.read_text().strip()
 
     @property
     def config_file(self) -> Path:
