@@ -639,6 +639,13 @@ def _recent_text(r: dict[str, Any]) -> str:
     return text
 
 
+def _last_batch_text(r: dict[str, Any], sep: str) -> str:
+    if not r["last_batch"]:
+        return "none yet"
+    age = ago(r["last_batch_age_s"])
+    return f"{r['last_batch']:,}{sep}[dim]{age}[/]" if sep == "\n" else f"{r['last_batch']:,}{sep}{age}"
+
+
 def _status_block(r: dict[str, Any]) -> Any:
     """One pipeline as a heading (its name whole, whatever the width) and label/value lines that wrap."""
     from rich.console import Group
@@ -653,7 +660,7 @@ def _status_block(r: dict[str, Any]) -> Any:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="dim", justify="right", no_wrap=True)
     grid.add_column(overflow="fold")
-    grid.add_row("last batch", f"{r['last_batch']:,}, {ago(r['last_batch_age_s'])}")
+    grid.add_row("last batch", _last_batch_text(r, ", "))
     grid.add_row("lease", _lease_text(r))
     if r["kind"] == "live":
         grid.add_row("lag", _lag_text(r))
@@ -675,7 +682,7 @@ def _status_table(records: list[dict[str, Any]], window: float) -> Table:
         table.add_row(
             f"{r['pipeline']}\n[dim]{r['kind']}, {r['dc']}[/]",
             Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
-            f"{r['last_batch']:,}\n[dim]{ago(r['last_batch_age_s'])}[/]",
+            _last_batch_text(r, "\n"),
             _lease_text(r),
             _lag_text(r),
             "?" if retries is None else f"{retries['waiting']:,} waiting\n[dim]{retries['due']:,} due[/]",

@@ -144,6 +144,26 @@ def test_status_at_80_columns_shows_names_whole_and_a_finished_backfill_as_finis
     assert wide.exit_code == 0 and "backfill-dc-a-202611200000" in wide.output, wide.output
 
 
+def test_status_of_a_backfill_that_committed_no_batch_says_so(
+    make_db: Callable[[], str], login_as: Callable[[str, str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's pass: a backfill hour that found nothing to join showed `last batch 0, -` and `retries ?` (the
+    `?` the README explains only for a status without logs). It has no batch and no retry set: it says none."""
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    back = PipelineState(login_as(dsn, "photon_joiner"), "backfill-dc-b-202611200000")
+    back.release(back.start_lease())
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", login_as(dsn, "photon_verifier"))
+    monkeypatch.setenv("PHOTON_HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    out.mkdir()
+    record = json.loads(CliRunner().invoke(app, ["status", "--out", str(out), "--json"]).output)[0]
+    assert (record["last_batch"], record["retries"], record["state"]) == (0, {"waiting": 0, "due": 0}, "finished")
+    for wide, columns in (([], "80"), (["--wide"], "200")):
+        text = CliRunner().invoke(app, ["status", "--out", str(out), *wide], env={"COLUMNS": columns}).output
+        assert "none yet" in text and "?" not in text and "0 waiting" in text, text
+
+
 def test_status_names_an_unknown_pipeline_and_a_missing_folder(registry: tuple[Path, Path], tmp_path: Path) -> None:
     unknown = CliRunner().invoke(app, ["status", "--pipeline", "dc-z"])
     assert unknown.exit_code != 0 and "no pipeline named dc-z" in str(unknown.exception)

@@ -162,7 +162,10 @@ def handover_gaps(cur: Any, pipeline: str, since_us: int) -> list[float]:
 
 
 def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now_us: int) -> dict[str, int] | None:
-    """Clicks in the retry set the last committed batch left, and how many of them are due now."""
+    """Clicks in the retry set the last committed batch left, and how many of them are due now (None: unknown,
+    without the output folder)."""
+    if batch == 0:
+        return {"waiting": 0, "due": 0}  # no batch committed, so no retry set
     if out is None or epoch is None:
         return None
     import pyarrow.parquet as pq
