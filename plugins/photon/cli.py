@@ -113,8 +113,12 @@ def registry_status(
         typer.echo(json.dumps(st, indent=2))
         return
     for name, s in st["servers"].items():
-        state = "reachable, migrations " + ",".join(s["migrations"]) if s["reachable"] else f"UNREACHABLE {s['error']}"
-        console.print(f"server [bold]{name}[/] ({s['dsn']}): {state}")
+        # The count and the latest migration (--json lists them all): the whole list made a 306-character line.
+        m = s.get("migrations") or []
+        applied = f"{len(m)} migrations, the latest {m[-1]}" if m else "no migrations"
+        state = f"reachable, {applied}" if s["reachable"] else f"UNREACHABLE {s['error']}"
+        console.print(f"server [bold]{name}[/]: {state}")
+        console.print(f"  {s['dsn']}", highlight=False)
     o = st["owners"]
     console.print(
         f"partition width: {st['partition_width_us'] // 60_000_000} min; owners: {o['total']:,} "

@@ -38,8 +38,13 @@ def test_registry_init_is_idempotent_and_status_reports_it(
     assert st["partition_width_us"] == 30 * 60_000_000
     assert [c["num_shards"] for c in st["configs"]] == [3]
     assert [s["table"] for s in st["configs"][0]["shards"]] == ["ids_c1_s0", "ids_c1_s1", "ids_c1_s2"]
-    human = runner.invoke(app, ["registry", "status"])
+    human = runner.invoke(app, ["registry", "status"], env={"COLUMNS": "80"})
     assert human.exit_code == 0 and "ids_c1_s2" in human.output
+    # The server's line at 80 columns: the count and the latest migration, not all of them (306 characters).
+    latest = sorted(p.stem for p in (ROOT / "sql").glob("*.sql"))[-1]
+    server = human.output.splitlines()[0]
+    assert server.startswith("server main: reachable, ") and server.endswith(f", the latest {latest}"), server
+    assert len(server) <= 80, server
 
 
 def test_registry_gc_names_its_thresholds_in_utc_whole_at_80_columns(
