@@ -643,11 +643,9 @@ def _recent_text(r: dict[str, Any]) -> str:
     return text
 
 
-def _last_batch_text(r: dict[str, Any], sep: str) -> str:
-    if not r["last_batch"]:
-        return "none yet"
-    age = ago(r["last_batch_age_s"])
-    return f"{r['last_batch']:,}{sep}[dim]{age}[/]" if sep == "\n" else f"{r['last_batch']:,}{sep}{age}"
+def _last_batch_text(r: dict[str, Any], form: str) -> str:
+    """``form`` with the last batch's number and age, or "none yet" before a pipeline's first batch."""
+    return form.format(n=f"{r['last_batch']:,}", age=ago(r["last_batch_age_s"])) if r["last_batch"] else "none yet"
 
 
 def _status_block(r: dict[str, Any]) -> Any:
@@ -664,7 +662,7 @@ def _status_block(r: dict[str, Any]) -> Any:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="dim", justify="right", no_wrap=True)
     grid.add_column(overflow="fold")
-    grid.add_row("last batch", _last_batch_text(r, ", "))
+    grid.add_row("last batch", _last_batch_text(r, "{n}, {age}"))
     grid.add_row("lease", _lease_text(r))
     if r["kind"] == "live":
         grid.add_row("lag", _lag_text(r))
@@ -686,7 +684,7 @@ def _status_table(records: list[dict[str, Any]], window: float) -> Table:
         table.add_row(
             f"{r['pipeline']}\n[dim]{r['kind']}, {r['dc']}[/]",
             Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
-            _last_batch_text(r, "\n"),
+            _last_batch_text(r, "{n}\n[dim]{age}[/]"),
             _lease_text(r),
             _lag_text(r),
             "?" if retries is None else f"{retries['waiting']:,} waiting\n[dim]{retries['due']:,} due[/]",

@@ -244,12 +244,11 @@ def _read_files(
         parts = []  # find which, file by file
         for path in paths:
             try:
-                t = pq.read_table(path, schema=schema)
+                parts.append(pq.read_table(path, columns=columns, filters=where, schema=schema))
             except FileNotFoundError:
                 continue
             except (pa.ArrowInvalid, OSError) as exc:
                 raise QualityInputError(f"output file {path} is unreadable: {exc}") from exc
-            parts.append((t.filter(where) if where is not None else t).select(columns))
         return (pa.concat_tables(parts) if parts else sub.empty_table()), len(parts)
 
 
