@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 import psycopg2
+import psycopg2.errors
 import pyarrow.parquet as pq
 import pytest
 
@@ -201,6 +202,36 @@ def assert_ready_message_comes_after_the_start(af: PhotonAirflow, home: Path) ->
         assert any(line.startswith(component) for line in lines[:ready]), (component, lines[: ready + 1])
 
 
+def component_connections(af: PhotonAirflow) -> dict[str, str]:
+    """The registry components' connections as the scheduler (which runs the tasks) has them."""
+    scheduler = next(p for p in af.alive() if p.ppid() == af.proc.pid and "scheduler" in " ".join(p.cmdline()))
+    env = scheduler.environ()
+    return {k: v for k, v in env.items() if k.startswith("AIRFLOW_CONN_PHOTON_REGISTRY_")}
+
+
+def assert_components_run_as_their_logins(af: PhotonAirflow, home: Path, socket_dir: str) -> None:
+    """On the embedded registry every component has its own connection, to a login holding only its role (a task
+    that needed the owner's rights would fail here as in production), its password kept in a file only the user
+    reads."""
+    conns = component_connections(af)
+    assert sorted(conns) == [f"AIRFLOW_CONN_PHOTON_REGISTRY_{c}" for c in ("GC", "JOINER", "RESHARD", "VERIFIER")]
+    assert (home / "airflow" / "registry_logins.json").stat().st_mode & 0o777 == 0o600
+    joiner = json.loads(conns["AIRFLOW_CONN_PHOTON_REGISTRY_JOINER"])
+    assert joiner["login"] == "photon_joiner_login" and joiner["schema"] == "photon"
+    with (
+        psycopg2.connect(host=socket_dir, dbname="photon", user=joiner["login"], password=joiner["password"]) as conn,
+        conn.cursor() as cur,
+    ):
+        cur.execute(
+            "SELECT rolsuper, pg_has_role(current_user, 'photon_joiner', 'member') FROM pg_roles "
+            "WHERE rolname = current_user"
+        )
+        assert cur.fetchone() == (False, True)
+        cur.execute("SELECT count(*) FROM photon.shard_config")  # what a joiner reads
+        with pytest.raises(psycopg2.errors.InsufficientPrivilege):
+            cur.execute("DELETE FROM photon.owners")  # what only the verifier's fence may do
+
+
 def assert_all_gone(af: PhotonAirflow) -> None:
     deadline = time.monotonic() + 10  # orphans re-parented to init are reaped there
     while af.alive() and time.monotonic() < deadline:
@@ -275,9 +306,14 @@ def test_photon_airflow_runs_on_postgres_on_loopback_and_stops_entirely(
             with psycopg2.connect(host=pm[1], dbname="airflow", user="postgres") as conn, conn.cursor() as cur:
                 cur.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'dag_run'")
                 assert cur.fetchone()[0] == 1  # Airflow's schema, in its own database beside the registry's
+            assert_components_run_as_their_logins(af, home, pm[1])
         else:
             assert pm is None  # nothing embedded when a server is named
             assert metadata_sessions(pg_admin_dsn, metadata_db) > 0
+            # A server someone else runs: its roles are theirs; said once, at the start.
+            assert component_connections(af) == {}
+            said = [line for line in af.log.read_text().splitlines() if "define the connections" in line]
+            assert len(said) == 1 and "photon_registry_joiner" in said[0], said
 
         stop_s = af.stop(sig)
         print(f"{sig.name}: ready after {took:.1f}s, stopped in {stop_s:.1f}s, {len(af.seen)} processes")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from photon.registry.admin import init_registry, status
+from photon.registry.admin import COMPONENT_ROLES, init_registry, status
 
 
 def dsn_from_connection(conn: Any) -> str:
@@ -46,13 +46,6 @@ def dsn_from_connection(conn: Any) -> str:
 
 
 Component = Literal["joiner", "verifier", "gc", "reshard"]
-# Component -> the NOLOGIN role (sql/) its login holds.
-COMPONENT_ROLES: dict[str, str] = {
-    "joiner": "photon_joiner",
-    "verifier": "photon_verifier",
-    "gc": "photon_gc",
-    "reshard": "photon_reshard",
-}
 
 
 def component_conn_id(conn_id: str, component: str) -> str:

@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -140,6 +140,8 @@ class LocalAirflow:
     grace_s: float = 30.0
     access_log: bool = False
     verbose: bool = False
+    # Component -> its login's DSN on ``main`` (the embedded registry): the connections photon_registry_<component>.
+    components: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -196,39 +198,34 @@ class LocalAirflow:
             # local[*]: the Spark driver started by spark-submit stays on loopback (the default is the address the
             # hostname resolves to, reachable from outside). A cluster's spark_default keeps the machine's address.
             env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        return env | {
-            "AIRFLOW_HOME": str(self.airflow_home),
-            "AIRFLOW_CONN_PHOTON_REGISTRY": base.get(
-                "AIRFLOW_CONN_PHOTON_REGISTRY", registry_connection(self.registry)
-            ),
-            "AIRFLOW_CONN_SPARK_DEFAULT": base.get(
-                "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
-            ),
-            "AIRFLOW_VAR_PHOTON_LOGS": base.get("AIRFLOW_VAR_PHOTON_LOGS", str(self.photon_home / "logs")),
-            "AIRFLOW_VAR_PHOTON_OUT": base.get("AIRFLOW_VAR_PHOTON_OUT", str(self.photon_home / "out")),
-            "PHOTON_HOME": str(self.photon_home),
-            "PATH": os.pathsep.join([bin_dir, base.get("PATH", "")]),
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]),
+        components = {
+            f"AIRFLOW_CONN_PHOTON_REGISTRY_{c.upper()}": registry_connection({"main": dsn})
+            for c, dsn in self.components.items()
         }
+        return (
+            env
+            | {k: base.get(k, v) for k, v in components.items()}
+            | {
+                "AIRFLOW_HOME": str(self.airflow_home),
+                "AIRFLOW_CONN_PHOTON_REGISTRY": base.get(
+                    "AIRFLOW_CONN_PHOTON_REGISTRY", registry_connection(self.registry)
+                ),
+                "AIRFLOW_CONN_SPARK_DEFAULT": base.get(
+                    "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
+                ),
+                "AIRFLOW_VAR_PHOTON_LOGS": base.get("AIRFLOW_VAR_PHOTON_LOGS", str(self.photon_home / "logs")),
+                "AIRFLOW_VAR_PHOTON_OUT": base.get("AIRFLOW_VAR_PHOTON_OUT", str(self.photon_home / "out")),
+                "PHOTON_HOME": str(self.photon_home),
+                "PATH": os.pathsep.join([bin_dir, base.get("PATH", "")]),
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]),
+            }
+        )
 
     def jwt_secret(self) -> str:
         """The key the API server signs its tokens with and every component checks them with: 64 random bytes and
         more, made once per AIRFLOW_HOME (``jwt_secret``, mode 600), so restarts and airflow-cli agree. Airflow's own
         default is 16 bytes, which PyJWT warns is below the 64 that HS512 wants."""
-        path = self.airflow_home / "jwt_secret"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".jwt_secret.{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(64) + "\n")
-            try:
-                os.link(tmp, path)  # the first writer's key: two starts at once end up with one
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-        return path.read_text().strip()
+        return secret_file(self.airflow_home / "jwt_secret", lambda: secrets.token_urlsafe(64))
 
     @property
     def config_file(self) -> Path:
@@ -242,6 +239,51 @@ class LocalAirflow:
     @property
     def password_file(self) -> Path:
         return self.airflow_home / "simple_auth_manager_passwords.json.generated"
+
+
+def secret_file(path: Path, make: Callable[[], str]) -> str:
+    """The text of ``path`` (mode 600), written as ``make()`` by the first process that needs it: two starts at once
+    end up with one."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make() + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
+
+
+def local_component_logins(airflow_home: Path, admin_dsn: str) -> dict[str, str]:
+    """Component -> DSN of its own least-privilege login on the embedded registry, which this deployment
+    administers: the logins are created (or their passwords set) from ``registry_logins.json`` in AIRFLOW_HOME
+    (mode 600), so that a laptop runs every component as production does, not as the owner."""
+    from photon.registry.admin import COMPONENT_ROLES, ensure_component_logins
+
+    text = secret_file(
+        airflow_home / "registry_logins.json",
+        lambda: json.dumps({c: secrets.token_urlsafe(24) for c in COMPONENT_ROLES}),
+    )
+    return ensure_component_logins(admin_dsn, json.loads(text))
+
+
+def component_connection_vars() -> list[str]:
+    from photon.registry.admin import COMPONENT_ROLES
+
+    return [f"AIRFLOW_CONN_PHOTON_REGISTRY_{c.upper()}" for c in COMPONENT_ROLES]
+
+
+def embedded_component_logins(airflow_home: Path, embedded: Any | None, servers: Mapping[str, str]) -> dict[str, str]:
+    """The components' own logins where this deployment administers the registry (the embedded server, alone);
+    none where the registry is a server someone else runs: its roles are theirs to create (README: Deployment)."""
+    if embedded is None or len(servers) != 1:
+        return {}
+    return local_component_logins(airflow_home, servers["main"])
 
 
 def write_config(path: Path, options: Mapping[str, Mapping[str, str]]) -> None:
@@ -574,8 +616,9 @@ def serve(
                 metadata_database(embedded.admin_dsn if embedded is not None else servers["main"], metadata_db)
             )
             home = settings.home.resolve()
+            airflow_home = Path(os.environ.get("AIRFLOW_HOME", str(home / "airflow"))).resolve()
             deployment = LocalAirflow(
-                airflow_home=Path(os.environ.get("AIRFLOW_HOME", str(home / "airflow"))).resolve(),
+                airflow_home=airflow_home,
                 photon_home=home,
                 metadata_url=metadata,
                 registry=servers,
@@ -585,9 +628,17 @@ def serve(
                 grace_s=grace_s,
                 access_log=access_log,
                 verbose=verbose,
+                components=embedded_component_logins(airflow_home, embedded, servers),
             )
             env = deployment.environment()
             say(f"registry: {redact(servers['main'])}")
+            if not deployment.components and not any(k in env for k in component_connection_vars()):
+                say(
+                    "registry components run as this DSN's login: define the connections "
+                    f"{', '.join(v.removeprefix('AIRFLOW_CONN_').lower() for v in component_connection_vars())} for "
+                    "least privilege "
+                    "(README: Deployment)"
+                )
             say(f"metadata: {redact_url(metadata)}; LocalExecutor, parallelism {deployment.parallelism}")
             say(f"Airflow home: {deployment.airflow_home}; UI and API on {host}:{port}")
             say(f"logs: {env['AIRFLOW_VAR_PHOTON_LOGS']}  output: {env['AIRFLOW_VAR_PHOTON_OUT']}")
@@ -652,8 +703,13 @@ def airflow_cli(args: Sequence[str]) -> int:
         if settings.registry_dsn is None:
             embedded = EmbeddedPostgres(home / "postgres")
             settings = settings.model_copy(update={"registry_dsn": embedded.start()})
+        servers = servers_from_settings(settings)
         deployment = LocalAirflow(
-            airflow_home=airflow_home, photon_home=home, metadata_url="", registry=servers_from_settings(settings)
+            airflow_home=airflow_home,
+            photon_home=home,
+            metadata_url="",
+            registry=servers,
+            components=embedded_component_logins(airflow_home, embedded, servers),
         )
         # Airflow's own settings come from airflow.cfg (as serve wrote them: its port, its metadata database), not
         # from this deployment's defaults; the caller's AIRFLOW__* settings still win, as they would for `airflow`.

@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg2.errors
+import psycopg2.extensions
 
 from photon.pg import across_failover, autocommit, redact
 from photon.registry import sql as q
 from photon.registry.client import MAIN, RegistryError, _check_server_names, read_layout
 from photon.registry.migrations import applied, apply_migrations
 from photon.registry.sharding import ShardConfig, ShardRef
+
+# Component -> the NOLOGIN role (sql/) its login holds.
+COMPONENT_ROLES: dict[str, str] = {
+    "joiner": "photon_joiner",
+    "verifier": "photon_verifier",
+    "gc": "photon_gc",
+    "reshard": "photon_reshard",
+}
 
 
 @dataclass
@@ -243,3 +252,32 @@ def record_shard_sizes(servers: Mapping[str, str], event: str, *, at_us: int | N
 
     # Again after a failover: the rows are keyed by the one time taken above, so a second insert adds nothing.
     return across_failover(record)
+
+
+def component_login(component: str) -> str:
+    """The LOGIN role a component runs as where photon creates it: ``photon_joiner_login`` (the name
+    docker/initdb uses too)."""
+    return f"{COMPONENT_ROLES[component]}_login"
+
+
+def ensure_component_logins(admin_dsn: str, passwords: Mapping[str, str]) -> dict[str, str]:
+    """On a server this process administers (the embedded one): a LOGIN role per component holding only its NOLOGIN
+    role, created if missing, its password set to ``passwords[component]``; returns component -> DSN (``admin_dsn``
+    as that login). Run after the migrations, which create the NOLOGIN roles."""
+    from psycopg2 import sql
+
+    dsns: dict[str, str] = {}
+    with autocommit(admin_dsn, guard=False) as conn, conn.cursor() as cur:
+        for component, role in COMPONENT_ROLES.items():
+            login = component_login(component)
+            cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (login,))
+            verb = "ALTER" if cur.fetchone() else "CREATE"
+            cur.execute(
+                sql.SQL(verb + " ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s").format(
+                    sql.Identifier(login)
+                ),
+                (passwords[component],),
+            )
+            cur.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role), sql.Identifier(login)))
+            dsns[component] = psycopg2.extensions.make_dsn(admin_dsn, user=login, password=passwords[component])
+    return dsns
