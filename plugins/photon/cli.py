@@ -669,7 +669,27 @@ def _status_block(r: dict[str, Any]) -> Any:
     retries = r["retries"]
     grid.add_row("retries", "?" if retries is None else f"{retries['waiting']:,} waiting, {retries['due']:,} due")
     grid.add_row("recent", _recent_text(r))
-    return Group(heading, grid)
+    return _Unpadded(Group(heading, grid))
+
+
+class _Unpadded:
+    """A renderable without the spaces rich pads a grid's lines with to its widest one (copied text and logs keep
+    them otherwise)."""
+
+    def __init__(self, renderable: Any) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.segment import Segment
+
+        for line in console.render_lines(self.renderable, options, pad=False):
+            while line and not line[-1].text.strip() and not line[-1].control:
+                line.pop()
+            if line:
+                last = line[-1]
+                line[-1] = Segment(last.text.rstrip(), last.style, last.control)
+            yield from line
+            yield Segment.line()
 
 
 def _status_table(records: list[dict[str, Any]], window: float) -> Table:

@@ -134,6 +134,7 @@ def test_status_at_80_columns_shows_names_whole_and_a_finished_backfill_as_finis
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(len(line) for line in lines) <= 80, result.output
+    assert [line for line in lines if line != line.rstrip()] == []  # no block padded to its widest line
     blocks = {b.splitlines()[0].split()[0]: b for b in result.output.split("\n\n")[1:]}
     assert list(blocks) == ["dc-a", "dc-b", "backfill-dc-a-202611200000"], result.output
     assert blocks["backfill-dc-a-202611200000"].splitlines()[0].endswith("backfill, dc-a, finished")
