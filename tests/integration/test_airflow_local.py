@@ -202,6 +202,21 @@ def assert_ready_message_comes_after_the_start(af: PhotonAirflow, home: Path) ->
         assert any(line.startswith(component) for line in lines[:ready]), (component, lines[: ready + 1])
 
 
+# Airflow's per-task lines, which the console leaves out (QUIET_LOGGERS).
+BOOKKEEPING = (
+    "Worker starting up",
+    "Task instance state updated",
+    "::group::",
+    "::endgroup::",
+    "Filling up the DagBag",
+    "Secrets backends loaded",
+    "Using Public CAs",
+    "tasks up for execution",
+    "Trying to enqueue tasks",
+    "Received executor event",
+)
+
+
 def component_connections(af: PhotonAirflow) -> dict[str, str]:
     """The registry components' connections as the scheduler (which runs the tasks) has them."""
     scheduler = next(p for p in af.alive() if p.ppid() == af.proc.pid and "scheduler" in " ".join(p.cmdline()))
@@ -500,6 +515,12 @@ def test_backfill_while_a_joiner_lease_runs(
         assert sorted(x["data_interval_start"][:19] for x in runs) == [h.strftime("%Y-%m-%dT%H:%M:%S") for h in hours]
         for x in runs:
             assert set(api.task_states("photon_backfill", x["dag_run_id"]).values()) == {"success"}
+        # The console during the backfill: the tasks' own lines and each run's end, not Airflow's per-task
+        # bookkeeping (about 25 lines a task before).
+        console = af.log.read_text(errors="replace").splitlines()
+        bookkeeping = [line for line in console if any(b in line for b in BOOKKEEPING)]
+        assert bookkeeping == [], bookkeeping[:20]
+        assert sum("Marking run <DagRun photon_backfill" in line for line in console) == 3, af.tail(6000)
         # The lease ran all along and joined live clicks; the scheduler made no run of photon_backfill by itself.
         assert lease_running() is not None  # a lease (this one, or its standby that took over) runs on
         wait_for("a live batch", lambda: joined_ids(out / "dc-a"), 60, af)
