@@ -1,14 +1,19 @@
 """`make bench-pipeline`: the joiner against its peer side by side, and against Spark's own ceiling, in one run.
 
-1. Side by side, on two workloads of one data center (--workloads): the project's default generator workload
-   (--rate, --seconds; 10 queries per click) and one of long non-ASCII query texts in large files (--long-rate,
-   --long-seconds; 20-60 words per query, 20,000 lines per query file). On each: the joiner until caught up, then
-   the peer a Spark user would write instead (bench/peer.py: Structured Streaming's stream-stream join, watermarks on
-   both sides, dropDuplicatesWithinWatermark on click ids, an event-time range condition, a Parquet sink,
-   availableNow, RocksDB state), in the same local[2] session, each timed without the session's start (both warmed
-   up first; --repeat N runs each N times, alternating, and keeps the best of each); events/s (queries + clicks per
-   second of processing) and the ratio; both joined counts; each again as a whole process of its own
-   (--no-whole-process skips it); where the joiner's time goes, per stage (bench/stages.py; --no-stages skips it).
+1. Side by side, on four workloads of one data center (--workloads): the project's default generator workload
+   (--rate, --seconds; 10 queries per click); long non-ASCII query texts in large files (--long-rate,
+   --long-seconds; 20-60 words per query, 20,000 lines per query file); `nested_ads` (1-4 ads per query in the
+   nested array, short texts, 20,000 lines per query file, 3% duplicate and 0.1% malformed lines; --nested-rate,
+   --nested-seconds); `shuffled_clicks` (the same, its click lines then shuffled over the whole time range into
+   files of 5,000). On each: the joiner until caught up and the peer a Spark user would write instead
+   (bench/peer.py: Structured Streaming's stream-stream join, watermarks on both sides, dropDuplicatesWithinWatermark
+   on click ids, an event-time range condition, a Parquet sink, availableNow, RocksDB state), in the same local[2]
+   session, each timed without the session's start (both warmed up first), --repeat times each (default 5),
+   alternating which goes first; the median of each side and the median of the per-run ratios, with their spread
+   (min-max); both joined counts. Then each side --whole-process times (default 3) as a process of its own,
+   alternating: the joiner as a backfill task runs it (`photon join --until-caught-up --drain`, its own Python and
+   Spark start), the peer likewise (--no-whole-process skips it). Where the joiner's time goes, per stage
+   (bench/stages.py; --no-stages skips it).
 2. The ceiling: Spark reading the default workload's JSON logs and writing Parquet, nothing else (schema inferred,
    and given; the faster counts), against the joiner's rate on the same logs.
 3. Live, at rising rates (--live-rates, events/s per replica, for --live-seconds each; --no-live skips it): the
@@ -16,7 +21,8 @@
    audit, batch durations from the joiners. First with files shipped fast and clocks in step (the joiner's own
    latency), then once with the generator's realistic defaults.
 Last line: the figures as one JSON object (`events_per_s`, `peer_events_per_s`, `ratio_to_peer` of the default
-workload at the top, every workload's under `workloads`).
+workload at the top; `ratio_to_peer_<workload>` and `ratio_whole_process_<workload>`, medians, for each workload;
+every workload's figures, runs and spreads under `workloads`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,14 @@ from typing import Any
 import numpy as np
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from bench.side_by_side import default_workload, long_non_ascii_workload, run_workload, warm_up
+from bench.side_by_side import (
+    default_workload,
+    long_non_ascii_workload,
+    nested_ads_workload,
+    run_workload,
+    shuffled_clicks_workload,
+    warm_up,
+)
 from photon.joiner.common import BatchResult, JoinSettings
 from photon.joiner.lease import Joiner
 from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
@@ -52,10 +65,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20, help="default workload: seconds of log time")
     ap.add_argument("--long-rate", type=float, default=17_600, help="long non-ASCII workload: events/s of log time")
     ap.add_argument("--long-seconds", type=float, default=60, help="long non-ASCII workload: seconds of log time")
+    ap.add_argument("--nested-rate", type=float, default=50_000, help="nested_ads, shuffled_clicks: events/s")
+    ap.add_argument("--nested-seconds", type=float, default=20, help="nested_ads, shuffled_clicks: seconds")
+    every = ["default", "long_non_ascii", "nested_ads", "shuffled_clicks"]
+    ap.add_argument("--workloads", nargs="+", choices=every, default=every)
+    ap.add_argument("--repeat", type=int, default=5, help="side by side: runs of each side, alternating; the median")
     ap.add_argument(
-        "--workloads", nargs="+", choices=("default", "long_non_ascii"), default=["default", "long_non_ascii"]
+        "--whole-process", type=int, default=3, help="runs of each side as a process of its own, alternating"
     )
-    ap.add_argument("--repeat", type=int, default=3, help="side by side: runs of each side, alternating; the best")
     ap.add_argument("--no-whole-process", action="store_true", help="skip each side's run as a process of its own")
     ap.add_argument("--no-stages", action="store_true", help="skip the joiner's per-stage breakdown")
     ap.add_argument("--no-live", action="store_true", help="skip the live runs")
@@ -71,6 +88,8 @@ def main() -> None:
         workloads = {
             "default": default_workload(args.rate, args.seconds),
             "long_non_ascii": long_non_ascii_workload(args.long_rate, args.long_seconds),
+            "nested_ads": nested_ads_workload(args.nested_rate, args.nested_seconds),
+            "shuffled_clicks": shuffled_clicks_workload(args.nested_rate, args.nested_seconds),
         }
         side: dict[str, dict[str, Any]] = {}
         ceiling = None
@@ -81,7 +100,7 @@ def main() -> None:
                 pg,
                 root,
                 workloads[name],
-                whole_process=not args.no_whole_process,
+                whole_process=0 if args.no_whole_process else args.whole_process,
                 stages=not args.no_stages,
                 keep_logs=name == "default",
                 repeat=args.repeat,
@@ -113,6 +132,8 @@ def main() -> None:
         }
         for name, r in side.items():
             summary[f"ratio_to_peer_{name}"] = r["ratio_to_peer"]
+            if "ratio_whole_process" in r:
+                summary[f"ratio_whole_process_{name}"] = r["ratio_whole_process"]
         if ceiling is not None:
             summary["ceiling_events_per_s"] = round(ceiling)
             summary["ratio_to_ceiling"] = round(side["default"]["events_per_s"] / ceiling, 3)

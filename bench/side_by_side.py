@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ class Workload:
     settings: GeneratorSettings
     seconds: float  # of log time
     about: str
+    reshape: Callable[[Path], str] | None = None  # rewrites the generated logs of DC in place; says what it did
 
 
 def default_workload(rate: float, seconds: float) -> Workload:
@@ -78,6 +82,66 @@ def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 2
         f"20-60 non-ASCII words per query text, about {lines:,.0f} lines per query file, "
         f"{rate / 11 * 10:,.0f} per click file",
     )
+
+
+def nested_ads_workload(rate: float, seconds: float, lines_per_file: int = 20_000) -> Workload:
+    """Short query texts (the default 1-4 words) with 1-4 ads each in the nested array (a Poisson of mean 2, clipped
+    to 1..8), ``lines_per_file`` lines per query file, 3% of lines sent twice and 0.1% malformed."""
+    qps = rate / 1.1
+    servers = max(1, round(qps * 10.0 / lines_per_file))
+    s = GeneratorSettings(
+        events_per_s=rate,
+        clicks_per_query=0.1,
+        dcs=(DC,),
+        rotate_s=10.0,
+        chunk_s=10.0,
+        query_servers=servers,
+        click_servers=1,
+        ads_per_query=2.0,
+        duplicate_fraction=0.03,
+        malformed_fraction=0.001,
+    )
+    return Workload(
+        "nested_ads",
+        s,
+        seconds,
+        f"1-4 ads per query (mean 2), short texts, about {qps * 10.0 / servers:,.0f} lines per query file, 3% "
+        "duplicate and 0.1% malformed lines",
+    )
+
+
+def shuffled_clicks_workload(rate: float, seconds: float, clicks_per_file: int = 5_000) -> Workload:
+    """``nested_ads``, with its click lines then shuffled over the whole time range and rewritten into files of
+    ``clicks_per_file``: every click file holds clicks from anywhere in the workload, as a replica that ships late
+    and out of order would."""
+    w = nested_ads_workload(rate, seconds)
+
+    def reshape(dc_logs: Path) -> str:
+        return shuffle_click_files(dc_logs / "clicks", clicks_per_file, seed=w.settings.seed)
+
+    return Workload(
+        "shuffled_clicks",
+        w.settings,
+        seconds,
+        f"{w.about}; click lines shuffled over the whole range into files of {clicks_per_file:,}",
+        reshape,
+    )
+
+
+def shuffle_click_files(clicks: Path, per_file: int, seed: int) -> str:
+    """Every line of the closed click files under ``clicks``, shuffled (seeded), rewritten as files of ``per_file``
+    lines in the last file's arrival partition; the originals removed."""
+    files = sorted(p for p in clicks.rglob("*.jsonl"))
+    lines = [line for f in files for line in f.read_bytes().splitlines(keepends=True)]
+    random.Random(seed).shuffle(lines)
+    last = files[-1].parent
+    for f in files:
+        f.unlink()
+    for i in range(0, len(lines), per_file):
+        (last / f"10.250.0.{1 + i // per_file % 250}-{1 + i // per_file}-1.jsonl").write_bytes(
+            b"".join(lines[i : i + per_file])
+        )
+    return f"{len(lines):,} click lines of {len(files)} files shuffled into {-(-len(lines) // per_file)} files"
 
 
 def _start_us(s: GeneratorSettings) -> int:
@@ -122,15 +186,28 @@ def run_joiner(spark: Any, servers: dict[str, str], logs: Path, out: Path) -> di
 
 
 def _whole_process(role: str, logs: Path, out: Path, dsn: str | None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.side_by_side", "--role", role, "--logs", str(logs), "--out", str(out)]
-    if dsn:
-        cmd += ["--dsn", dsn]
+    """One side as a process of its own, timed from its start to its exit: the joiner as a backfill task runs it,
+    ``photon join --until-caught-up --drain``; the peer through ``--role peer`` below."""
+    if role == "joiner":
+        cmd = [sys.executable, "-m", "photon", "join", "--dc", DC, "--logs", str(logs), "--out", str(out)]
+        cmd += ["--until-caught-up", "--drain"]
+        env = os.environ | {"PHOTON_REGISTRY_DSN": dsn or "", "PHOTON_REGISTRY_REPLICATION": "single"}
+    else:
+        cmd = [sys.executable, "-m", "bench.side_by_side", "--role", role, "--logs", str(logs), "--out", str(out)]
+        env = os.environ.copy()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"whole-process {role} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    if role == "joiner":
+        return {"wall_s": wall, "joined": ds.dataset(str(out / DC / "joined"), format="parquet").count_rows()}
     return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def spread(xs: list[float]) -> str:
+    """Median (min-max)."""
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def run_workload(
@@ -139,46 +216,60 @@ def run_workload(
     root: Path,
     w: Workload,
     *,
-    whole_process: bool = True,
+    whole_process: int = 3,
     stages: bool = True,
     keep_logs: bool = False,
-    repeat: int = 1,
+    repeat: int = 5,
 ) -> dict[str, Any]:
-    """Generate the workload, run both sides on it (``repeat`` times, alternating, each run on a fresh registry and
-    output: the best of each side counts, the least disturbed by whatever else the machine runs), print and return
-    the figures."""
+    """Generate the workload, run both sides on it ``repeat`` times, alternating which goes first, each run on a
+    fresh registry and output; then ``whole_process`` times each as a process of its own, alternating too. The
+    figures are medians with their spread (min-max), the ratios the medians of the per-run ratios; print and
+    return them."""
     logs = root / "logs"
     start = _start_us(w.settings)
     rep = generate(w.settings, logs, start_us=start, end_us=start + int(w.seconds * US))
+    reshaped = w.reshape(logs / DC) if w.reshape else None
     events = rep.queries + rep.clicks
     size = sum(p.stat().st_size for p in (logs / DC).rglob("*.jsonl"))
+    files = sum(1 for _ in (logs / DC).rglob("*.jsonl"))
     print(
         f"\n== workload {w.name}: {w.about}\n"
-        f"   {rep.queries:,} queries + {rep.clicks:,} clicks = {events:,} events in {rep.files} files "
-        f"({size / 1e6:,.0f} MB); manifest: {rep.expect}"
+        f"   {rep.queries:,} queries + {rep.clicks:,} clicks = {events:,} events in {files} files "
+        f"({size / 1e6:,.0f} MB); manifest: {rep.expect}" + (f"\n   {reshaped}" if reshaped else "")
     )
     tag = f"{w.name}_{os.getpid()}"
     j_runs, p_runs = [], []
     for r in range(max(1, repeat)):
-        j_runs.append(run_joiner(spark, _registry(pg, f"bench_sbs_{tag}_{r}"), logs, root / f"out{r}"))
-        p_runs.append(run_peer(spark, logs / DC, root / f"peer-out{r}", root / f"peer-ckpt{r}"))
-    j = min(j_runs, key=lambda x: float(x["seconds"]))
-    p = min(p_runs, key=lambda x: x.seconds)
-    j_rate, p_rate = events / j["seconds"], events / p.seconds
+
+        def joiner(r: int = r) -> dict[str, Any]:
+            return run_joiner(spark, _registry(pg, f"bench_sbs_{tag}_{r}"), logs, root / f"out{r}")
+
+        def peer(r: int = r) -> Any:
+            return run_peer(spark, logs / DC, root / f"peer-out{r}", root / f"peer-ckpt{r}")
+
+        if r % 2 == 0:
+            j_runs.append(joiner())
+            p_runs.append(peer())
+        else:
+            p_runs.append(peer())
+            j_runs.append(joiner())
+    j_s = [float(x["seconds"]) for x in j_runs]
+    p_s = [float(x.seconds) for x in p_runs]
+    ratios = [p / j for j, p in zip(j_s, p_s, strict=True)]
+    j_rate, p_rate = events / statistics.median(j_s), events / statistics.median(p_s)
+    ratio = statistics.median(ratios)
+    j, p = j_runs[0], p_runs[0]
     j_ids, p_ids = _ids(root / "out0" / DC / "joined"), _ids(root / "peer-out0")
-    if repeat > 1:
-        print(
-            f"   {repeat} runs each, alternating: joiner {', '.join(_seconds(x['seconds']) for x in j_runs)} s; "
-            f"peer {', '.join(_seconds(x.seconds) for x in p_runs)} s (the best of each counts)"
-        )
     only_joiner = int(pc.sum(pc.invert(pc.is_in(j_ids, value_set=p_ids))).as_py() or 0)
     only_peer = int(pc.sum(pc.invert(pc.is_in(p_ids, value_set=j_ids))).as_py() or 0)
     print(
-        f"   joiner (photon join --until-caught-up --drain, in the shared session): {j['seconds']:.1f} s = "
-        f"{j_rate:,.0f} events/s, {j['batches']} batch(es)\n"
-        f"   peer (Structured Streaming, availableNow, RocksDB state): {p.seconds:.1f} s = {p_rate:,.0f} events/s, "
-        f"{p.batches} micro-batch(es), {p.state_rows:,} state rows at the end\n"
-        f"   ratio joiner / peer: {j_rate / p_rate:.2f}x\n"
+        f"   {len(j_runs)} runs each, alternating which goes first; seconds per run: joiner "
+        f"{', '.join(_seconds(x) for x in j_s)}; peer {', '.join(_seconds(x) for x in p_s)}\n"
+        f"   joiner (photon join --until-caught-up --drain, in the shared session): median {statistics.median(j_s):.2f}"
+        f" s = {j_rate:,.0f} events/s, {j['batches']} batch(es)\n"
+        f"   peer (Structured Streaming, availableNow, RocksDB state): median {statistics.median(p_s):.2f} s = "
+        f"{p_rate:,.0f} events/s, {p.batches} micro-batch(es), {p.state_rows:,} state rows at the end\n"
+        f"   ratio joiner / peer, per run: median (min-max) {spread(ratios)}\n"
         f"   joined: joiner {j['joined']:,} ({len(j_ids):,} rows, {len(pc.unique(j_ids)):,} ids), peer "
         f"{p.joined_rows:,} rows ({p.joined_ids:,} ids); only in the joiner's {only_joiner:,}, only in the peer's "
         f"{only_peer:,}; manifest must join {rep.expect.get('join', 0):,} (either {rep.expect.get('either', 0):,})"
@@ -189,18 +280,17 @@ def run_workload(
             "deduplicates click ids only; the joiner keeps the first copy of a query)"
         )
     phases = ", ".join(f"{k} {v / 1e3:.1f}s" for k, v in sorted(p.durations_ms.items(), key=lambda kv: -kv[1]))
-    print(f"   peer's progress by phase (summed over batches): {phases}")
+    print(f"   peer's progress by phase (summed over batches, first run): {phases}")
     result: dict[str, Any] = {
         "events": events,
-        "files": rep.files,
+        "files": files,
         "mb": round(size / 1e6, 1),
         "events_per_s": round(j_rate),
         "peer_events_per_s": round(p_rate),
-        "ratio_to_peer": round(j_rate / p_rate, 3),
-        "joiner_s": round(j["seconds"], 2),
-        "peer_s": round(p.seconds, 2),
-        "joiner_s_runs": [round(x["seconds"], 2) for x in j_runs],
-        "peer_s_runs": [round(x.seconds, 2) for x in p_runs],
+        "ratio_to_peer": round(ratio, 3),
+        "ratio_to_peer_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+        "joiner_s_runs": [round(x, 2) for x in j_s],
+        "peer_s_runs": [round(x, 2) for x in p_s],
         "joined": j["joined"],
         "peer_joined": p.joined_rows,
         "peer_joined_ids": p.joined_ids,
@@ -211,20 +301,37 @@ def run_workload(
     if stages:
         result["joiner_stages"] = print_stages(spark, pg, root, logs, events, j, tag)
     if whole_process:
-        jw = _whole_process("joiner", logs, root / "out-wp", _registry(pg, f"bench_wp_{tag}")["main"])
-        pw = _whole_process("peer", logs, root / "peer-out-wp", None)
-        jw_rate, pw_rate = events / jw["wall_s"], events / pw["wall_s"]
+        jw, pw = [], []
+        for r in range(whole_process):
+
+            def jproc(r: int = r) -> dict[str, Any]:
+                return _whole_process("joiner", logs, root / f"out-wp{r}", _registry(pg, f"bench_wp_{tag}_{r}")["main"])
+
+            def pproc(r: int = r) -> dict[str, Any]:
+                return _whole_process("peer", logs, root / f"peer-out-wp{r}", None)
+
+            if r % 2 == 0:
+                jw.append(jproc())
+                pw.append(pproc())
+            else:
+                pw.append(pproc())
+                jw.append(jproc())
+        jw_s = [x["wall_s"] for x in jw]
+        pw_s = [x["wall_s"] for x in pw]
+        wp_ratios = [p / j for j, p in zip(jw_s, pw_s, strict=True)]
         print(
-            f"   as whole processes (Python and Spark start included): joiner {jw['wall_s']:.1f} s "
-            f"({jw['seconds']:.1f} s processing) = {jw_rate:,.0f} events/s, peer {pw['wall_s']:.1f} s "
-            f"({pw['seconds']:.1f} s processing) = {pw_rate:,.0f} events/s: {jw_rate / pw_rate:.2f}x "
-            f"(joined {jw['joined']:,} / {pw['joined']:,})"
+            f"   as whole processes, {whole_process} each, alternating (Python and Spark start included; the joiner "
+            f"as a backfill task runs it, `photon join --until-caught-up --drain`): joiner "
+            f"{', '.join(_seconds(x) for x in jw_s)} s, peer {', '.join(_seconds(x) for x in pw_s)} s "
+            f"(of which processing {', '.join(_seconds(x['seconds']) for x in pw)} s); ratio per run "
+            f"{spread(wp_ratios)} (joined {jw[0]['joined']:,} / {pw[0]['joined']:,})"
         )
         result.update(
             {
-                "whole_process_events_per_s": round(jw_rate),
-                "whole_process_peer_events_per_s": round(pw_rate),
-                "whole_process_ratio_to_peer": round(jw_rate / pw_rate, 3),
+                "whole_process_s_runs": [round(x, 2) for x in jw_s],
+                "whole_process_peer_s_runs": [round(x, 2) for x in pw_s],
+                "ratio_whole_process": round(statistics.median(wp_ratios), 3),
+                "ratio_whole_process_spread": [round(min(wp_ratios), 3), round(max(wp_ratios), 3)],
             }
         )
     if not keep_logs:
