@@ -28,11 +28,18 @@ every workload's figures, runs and spreads under `workloads`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +81,9 @@ def main() -> None:
         "--whole-process", type=int, default=3, help="runs of each side as a process of its own, alternating"
     )
     ap.add_argument("--no-whole-process", action="store_true", help="skip each side's run as a process of its own")
+    ap.add_argument(
+        "--no-connect", action="store_true", help="whole processes: skip the joiner on a warm Spark Connect server"
+    )
     ap.add_argument("--no-stages", action="store_true", help="skip the joiner's per-stage breakdown")
     ap.add_argument("--no-live", action="store_true", help="skip the live runs")
     ap.add_argument("--live-rates", type=float, nargs="+", default=[1_000, 5_000, 20_000])
@@ -82,6 +92,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="photon-bench-pipe-"))
     pg = EmbeddedPostgres(tmp / "pg", cleanup_mode="delete")
     pg.start()
+    stack = contextlib.ExitStack()
     try:
         spark = get_spark("photon-bench", master="local[2]", shuffle_partitions=4)
         warm_up(spark, pg, tmp / "warm-up")
@@ -93,6 +104,11 @@ def main() -> None:
         }
         side: dict[str, dict[str, Any]] = {}
         ceiling = None
+        connect_home = None
+        if not args.no_whole_process and not args.no_connect:
+            connect_home = tmp / "connect-home"
+            server = stack.enter_context(connect_server(connect_home))
+            print(f"Spark Connect server for the whole-process runs: {server}")
         for name in args.workloads:
             root = tmp / f"side-{name}"
             side[name] = run_workload(
@@ -101,6 +117,7 @@ def main() -> None:
                 root,
                 workloads[name],
                 whole_process=0 if args.no_whole_process else args.whole_process,
+                connect_home=connect_home,
                 stages=not args.no_stages,
                 keep_logs=name == "default",
                 repeat=args.repeat,
@@ -134,6 +151,7 @@ def main() -> None:
             summary[f"ratio_to_peer_{name}"] = r["ratio_to_peer"]
             if "ratio_whole_process" in r:
                 summary[f"ratio_whole_process_{name}"] = r["ratio_whole_process"]
+                summary[f"ratio_whole_process_cold_{name}"] = r["ratio_whole_process_cold"]
         if ceiling is not None:
             summary["ceiling_events_per_s"] = round(ceiling)
             summary["ratio_to_ceiling"] = round(side["default"]["events_per_s"] / ceiling, 3)
@@ -154,8 +172,36 @@ def main() -> None:
         summary["workloads"] = side
         print(json.dumps(summary))
     finally:
+        stack.close()
         pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def connect_server(home: Path) -> Iterator[str]:
+    """``photon spark-connect`` (local[2], as the joiner's own runs) under ``home`` until the block ends; yields its
+    ready line."""
+    log = home.parent / "spark-connect.log"
+    home.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "photon", "spark-connect", "--port", str(port), "--master", "local[2]"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=os.environ | {"PHOTON_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "ready after" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"photon spark-connect did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield log.read_text().strip().splitlines()[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def measure_ceiling(spark: Any, logs: Path, out: Path, events: int) -> float:

@@ -185,13 +185,19 @@ def run_joiner(spark: Any, servers: dict[str, str], logs: Path, out: Path) -> di
     }
 
 
-def _whole_process(role: str, logs: Path, out: Path, dsn: str | None) -> dict[str, Any]:
+def _whole_process(
+    role: str, logs: Path, out: Path, dsn: str | None, connect_home: Path | None = None
+) -> dict[str, Any]:
     """One side as a process of its own, timed from its start to its exit: the joiner as a backfill task runs it,
-    ``photon join --until-caught-up --drain``; the peer through ``--role peer`` below."""
+    ``photon join --until-caught-up --drain`` (with ``connect_home``, ``--connect`` to the Spark Connect server kept
+    there); the peer through ``--role peer`` below."""
     if role == "joiner":
         cmd = [sys.executable, "-m", "photon", "join", "--dc", DC, "--logs", str(logs), "--out", str(out)]
         cmd += ["--until-caught-up", "--drain"]
         env = os.environ | {"PHOTON_REGISTRY_DSN": dsn or "", "PHOTON_REGISTRY_REPLICATION": "single"}
+        if connect_home is not None:
+            cmd.append("--connect")
+            env["PHOTON_HOME"] = str(connect_home)
     else:
         cmd = [sys.executable, "-m", "bench.side_by_side", "--role", role, "--logs", str(logs), "--out", str(out)]
         env = os.environ.copy()
@@ -220,6 +226,7 @@ def run_workload(
     stages: bool = True,
     keep_logs: bool = False,
     repeat: int = 5,
+    connect_home: Path | None = None,
 ) -> dict[str, Any]:
     """Generate the workload, run both sides on it ``repeat`` times, alternating which goes first, each run on a
     fresh registry and output; then ``whole_process`` times each as a process of its own, alternating too. The
@@ -301,39 +308,46 @@ def run_workload(
     if stages:
         result["joiner_stages"] = print_stages(spark, pg, root, logs, events, j, tag)
     if whole_process:
-        jw, pw = [], []
+        sides: dict[str, list[float]] = {"joiner": [], "peer": []}
+        if connect_home is not None:
+            sides["joiner_connect"] = []
+        joined: dict[str, int] = {}
         for r in range(whole_process):
-
-            def jproc(r: int = r) -> dict[str, Any]:
-                return _whole_process("joiner", logs, root / f"out-wp{r}", _registry(pg, f"bench_wp_{tag}_{r}")["main"])
-
-            def pproc(r: int = r) -> dict[str, Any]:
-                return _whole_process("peer", logs, root / f"peer-out-wp{r}", None)
-
-            if r % 2 == 0:
-                jw.append(jproc())
-                pw.append(pproc())
-            else:
-                pw.append(pproc())
-                jw.append(jproc())
-        jw_s = [x["wall_s"] for x in jw]
-        pw_s = [x["wall_s"] for x in pw]
-        wp_ratios = [p / j for j, p in zip(jw_s, pw_s, strict=True)]
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                if side == "peer":
+                    res = _whole_process("peer", logs, root / f"peer-out-wp{r}", None)
+                else:
+                    dsn = _registry(pg, f"bench_wp_{tag}_{side}_{r}")["main"]
+                    home = connect_home if side == "joiner_connect" else None
+                    res = _whole_process("joiner", logs, root / f"out-wp-{side}{r}", dsn, home)
+                sides[side].append(res["wall_s"])
+                joined[side] = int(res["joined"])
+        cold = [p / j for j, p in zip(sides["joiner"], sides["peer"], strict=True)]
+        runs = "; ".join(f"{side} {', '.join(_seconds(x) for x in xs)} s" for side, xs in sides.items())
         print(
-            f"   as whole processes, {whole_process} each, alternating (Python and Spark start included; the joiner "
-            f"as a backfill task runs it, `photon join --until-caught-up --drain`): joiner "
-            f"{', '.join(_seconds(x) for x in jw_s)} s, peer {', '.join(_seconds(x) for x in pw_s)} s "
-            f"(of which processing {', '.join(_seconds(x['seconds']) for x in pw)} s); ratio per run "
-            f"{spread(wp_ratios)} (joined {jw[0]['joined']:,} / {pw[0]['joined']:,})"
+            f"   as whole processes, {whole_process} each, alternating (Python start included; the joiner as a "
+            f"backfill task runs it, `photon join --until-caught-up --drain`, with its own Spark start"
+            + (", and with --connect on a warm Spark Connect server" if connect_home is not None else "")
+            + f"): {runs}\n   whole-process ratio, own Spark start: {spread(cold)}"
+            + f" (joined {', '.join(f'{k} {v:,}' for k, v in joined.items())})"
         )
         result.update(
             {
-                "whole_process_s_runs": [round(x, 2) for x in jw_s],
-                "whole_process_peer_s_runs": [round(x, 2) for x in pw_s],
-                "ratio_whole_process": round(statistics.median(wp_ratios), 3),
-                "ratio_whole_process_spread": [round(min(wp_ratios), 3), round(max(wp_ratios), 3)],
+                "whole_process_s_runs": [round(x, 2) for x in sides["joiner"]],
+                "whole_process_peer_s_runs": [round(x, 2) for x in sides["peer"]],
+                "ratio_whole_process_cold": round(statistics.median(cold), 3),
+                "ratio_whole_process_cold_spread": [round(min(cold), 3), round(max(cold), 3)],
             }
         )
+        headline = cold
+        if connect_home is not None:
+            warm = [p / j for j, p in zip(sides["joiner_connect"], sides["peer"], strict=True)]
+            print(f"   whole-process ratio, on the warm Spark Connect server: {spread(warm)}")
+            result["whole_process_connect_s_runs"] = [round(x, 2) for x in sides["joiner_connect"]]
+            result["ratio_whole_process_connect_spread"] = [round(min(warm), 3), round(max(warm), 3)]
+            headline = warm
+        result["ratio_whole_process"] = round(statistics.median(headline), 3)
     if not keep_logs:
         import shutil
 

@@ -465,6 +465,14 @@ def join_cmd(
             "600 s (the standby's patience)."
         ),
     ] = 120.0,
+    connect: Annotated[
+        bool,
+        typer.Option(
+            "--connect",
+            help="Run on the warm Spark Connect server `photon spark-connect` keeps (no Spark start of its own); or "
+            "set PHOTON_SPARK_REMOTE to a server's sc:// URL.",
+        ),
+    ] = False,
 ) -> None:
     """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
     from photon.joiner.common import BEGINNING, NOW, JoinSettings
@@ -478,6 +486,14 @@ def join_cmd(
     if run_for is None and not until_caught_up:
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
+
+    remote = None
+    if connect:
+        from photon.tools.spark_connect import url
+
+        if master:
+            raise ValueError("--connect runs on the server's master: leave out --master")
+        remote = url(load_settings().home)  # no server: one line, before anything starts
 
     if start != BEGINNING and (window_start or window_end):
         raise ValueError("--start is a live pipeline's; a backfill's --window-start/--window-end is its range")
@@ -504,7 +520,7 @@ def join_cmd(
     # until it is ready rather than leave the pipeline idle while its Spark session starts.
     announcing = PipelineState(servers["main"], pipeline or dc).standing_by() if standby else contextlib.nullcontext()
     with announcing as announcement:
-        spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4)
+        spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4, remote=remote)
         joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline, clock=clock)
         if announcement is not None:
             joiner.warm_up()
@@ -540,6 +556,18 @@ def join_cmd(
     joiner.release()  # a standby takes over now
     held = f" (held on {joiner.held_s:.1f}s for a standby to be ready)" if joiner.held_s >= 0.5 else ""
     console.print(f"{dc}: {len(results)} batch(es) committed{held}")
+
+
+@app.command("spark-connect")
+def spark_connect_cmd(
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 15002,
+    master: Annotated[str, typer.Option(help="Spark master of the server.")] = "local[*]",
+) -> None:
+    """Keep a Spark Connect server running on 127.0.0.1, warm, for `photon join --connect` (a backfill task's join
+    without a Spark start of its own); token-protected, stopped by Ctrl-C or SIGTERM."""
+    from photon.tools.spark_connect import serve
+
+    raise typer.Exit(serve(load_settings().home, port=port, master=master, say=console.print))
 
 
 @app.command("verify")
@@ -918,6 +946,7 @@ def main() -> None:
         from photon.registry.clock import ClockSkewError
         from photon.registry.cluster import ClusterError
         from photon.registry.migrations import MigrationError
+        from photon.tools.spark_connect import NoServerError
 
         if not isinstance(
             exc,
@@ -929,6 +958,7 @@ def main() -> None:
             | CorruptStateError
             | ClockSkewError
             | ClusterError
+            | NoServerError
             | ValueError,
         ):
             raise

@@ -67,3 +67,24 @@ def check_parquet(path: Path, recover: str) -> None:
         pq.ParquetFile(path).metadata  # noqa: B018  (reading the footer is the check)
     except (pa.ArrowInvalid, OSError) as exc:
         raise CorruptStateError(f"{path} cannot be read ({exc}). {recover}") from None
+
+
+def secret_file(path: Path, make: Callable[[], str], *, replace: bool = False) -> str:
+    """The text of ``path`` (mode 600, never readable by others even for a moment), written as ``make()`` if it
+    does not exist yet, where two processes at once end up with the first one's; with ``replace``, written anew."""
+    if replace or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make() + "\n")
+        try:
+            if replace:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text().strip()

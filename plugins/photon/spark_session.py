@@ -27,8 +27,27 @@ def driver_java_options() -> str:
     return f"-Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}" + (f" {extra}" if extra else "")
 
 
-def get_spark(app_name: str, *, master: str | None = None, shuffle_partitions: int = 8) -> Any:
+REMOTE_ENV = "PHOTON_SPARK_REMOTE"
+
+
+def get_spark(
+    app_name: str, *, master: str | None = None, shuffle_partitions: int = 8, remote: str | None = None
+) -> Any:
+    """A SparkSession: with ``remote`` (or ``PHOTON_SPARK_REMOTE``), a Spark Connect session on a server that is
+    already running (``sc://...``: its JVM, executors and Python workers warm), else a classic one whose JVM this
+    process starts (or spark-submit started)."""
     from pyspark.sql import SparkSession
+
+    remote = remote or os.environ.get(REMOTE_ENV) or None
+    if remote:
+        # Only the session's SQL settings: the JVM, the master and the UI are the server's.
+        return (
+            SparkSession.builder.remote(remote)
+            .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+            .config("spark.sql.session.timeZone", "UTC")
+            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+            .getOrCreate()
+        )
 
     # The VM's hostname resolves to a non-loopback address; keep the driver on loopback unless told otherwise.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -64,3 +83,16 @@ def _started_quiet() -> bool:
     jvm: Any = SparkContext._jvm
     started = str(jvm.java.lang.System.getProperty("log4j2.configurationFile"))
     return started == LOG4J2_PROPERTIES.as_uri() or SparkConf().contains("spark.log.level")
+
+
+def is_remote(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no SparkContext in this process)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def default_parallelism(spark: Any) -> int:
+    """How many tasks run at once: the SparkContext's default parallelism, or a Spark Connect server's
+    ``spark.default.parallelism`` (which ``photon spark-connect`` sets)."""
+    if is_remote(spark):
+        return int(spark.conf.get("spark.default.parallelism", None) or os.cpu_count() or 2)
+    return int(spark.sparkContext.defaultParallelism)

@@ -46,6 +46,8 @@ from typing import IO, Any
 import psutil
 import psycopg2.extensions
 
+from photon.durable import secret_file
+
 # Stopped first: they run the tasks. The API server goes last, so that the tasks can report how they ended.
 WORKERS: dict[str, list[str]] = {
     "scheduler": ["scheduler", "--skip-serve-logs"],
@@ -254,24 +256,6 @@ class LocalAirflow:
     @property
     def password_file(self) -> Path:
         return self.airflow_home / "simple_auth_manager_passwords.json.generated"
-
-
-def secret_file(path: Path, make: Callable[[], str]) -> str:
-    """The text of ``path`` (mode 600), written as ``make()`` by the first process that needs it: two starts at once
-    end up with one."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(make() + "\n")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return path.read_text().strip()
 
 
 def local_component_logins(airflow_home: Path, admin_dsn: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from photon.durable import make_dirs
-from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag
+from photon.joiner.common import CODE_FINGERPRINT, JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag
 from photon.joiner.discovery import Discovery, _marks_before
 from photon.joiner.eventstore import index_rows
 from photon.joiner.publish import publish_files
@@ -26,7 +26,9 @@ from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _
 from photon.logs.parse import BAD_FIELDS
 from photon.logs.schemas import QUARANTINE
 from photon.pg import failover_s as default_failover_s
+from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
+from photon.spark_session import is_remote
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,9 @@ class BatchRunner:
             horizon_us=self.horizon_us,
             shared_index=str(self.shared_index) if self.shared_index is not None else None,
             settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self.discovery.settled_as.items()},
+            replication=replication_mode(),
+            # Checked on a Spark Connect server only: its workers outlive any one joiner, so they may hold older code.
+            code=CODE_FINGERPRINT if is_remote(self.spark) else "",
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:

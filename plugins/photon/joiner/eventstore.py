@@ -312,15 +312,21 @@ def _nulls(n: int) -> pa.Table:
 
 
 _CACHES: dict[str, EventStoreCache] = {}
+# Pipelines whose caches a worker keeps, the most recently used: a Spark Connect server's workers live on across
+# processes, and every backfilled hour is a pipeline of its own.
+MAX_CACHES = 4
 
 
 def cache_for(root: Path, logs: Path, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
     """The process's cache for one pipeline's store (Python workers are reused across tasks and batches)."""
     key = str(root)
-    cache = _CACHES.get(key)
+    cache = _CACHES.pop(key, None)
     if cache is None or (cache.logs, cache.max_buckets, cache.max_rows) != (logs, max_buckets, max_rows):
-        _CACHES[key] = EventStoreCache(root, logs, max_buckets, max_rows)
-    return _CACHES[key]
+        cache = EventStoreCache(root, logs, max_buckets, max_rows)
+    _CACHES[key] = cache  # last: the most recently used
+    while len(_CACHES) > MAX_CACHES:
+        del _CACHES[next(iter(_CACHES))]
+    return cache
 
 
 def write_index(index: pa.Table, folder: Path, name: str, bucket_s: int) -> dict[int, int]:

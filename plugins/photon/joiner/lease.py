@@ -37,6 +37,7 @@ from photon.joiner.eventstore import RECOVER_STORE, read_store_file
 from photon.joiner.state import Lease, PipelineState
 from photon.logs.layout import partition_start_us
 from photon.registry.clock import ClockSkewError, ServerClock
+from photon.spark_session import default_parallelism
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Joiner:
             clock=self.clock,
             state=self.state,
             discovery=self.discovery,
-            parallelism=max(1, self.s.parallelism or int(spark.sparkContext.defaultParallelism)),
+            parallelism=max(1, self.s.parallelism or default_parallelism(spark)),
         )
         load_adapter(self.s.adapter)  # fail fast on a bad adapter path
 

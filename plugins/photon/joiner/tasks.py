@@ -31,6 +31,7 @@ from photon.joiner.common import (
     RECOVERED_PREFIX,
     SETTLE_S,
     US,
+    check_code,
 )
 from photon.joiner.eventstore import open_regular
 from photon.joiner.query_index import REASON_QUERY_GC
@@ -53,6 +54,7 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
+from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
 
 log = logging.getLogger(__name__)
@@ -222,6 +224,10 @@ class _Task:
     # "<kind>/<file>" -> [size, mtime_ns]: torn or empty files the driver saw unchanged for ``settle_s``, to be read
     # only exactly so (``read_whole``)
     settled: dict[str, list[int]] = field(default_factory=dict)
+    # The driver's replication rule (PHOTON_REGISTRY_REPLICATION) and code: a Spark Connect server's workers have
+    # the server's environment, and may have imported older code.
+    replication: str = "required"
+    code: str = ""
 
 
 def ends_whole(path: str | Path, st: os.stat_result) -> bool:
@@ -292,6 +298,8 @@ def _source_task(
         import pyarrow.parquet as pq
 
         from photon.joiner.eventstore import atomic_write, index_of, write_index
+
+        check_code(t.code)
 
         stage = Path(t.stage)
         stored: list[pa.Table] = []
@@ -365,6 +373,8 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
+        check_code(t.code)
+        os.environ[REPLICATION_ENV] = t.replication  # this task's registry connections follow its driver's rule
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
         rows = pa.Table.from_batches(list(batches), CANDIDATE)

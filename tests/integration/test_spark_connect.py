@@ -1,0 +1,138 @@
+"""`photon spark-connect` and `photon join --connect`: backfill-sized joins on a warm Spark Connect server, with the
+same output as a process of its own; a server answers only with its token, binds loopback only, and stops whole."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from photon.tools.audit import audit
+from tests.integration.test_airflow_local import free_port, outside_address, refused
+from tests.integration.test_joiner import ROOT, joined_ids, make_logs
+
+
+def photon(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "photon", *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def connect_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, int, Path]]:
+    home, port = tmp_path / "home", free_port()
+    log = tmp_path / "spark-connect.log"
+    env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "photon", "spark-connect", "--port", str(port), "--master", "local[2]"],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "ready after" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield proc, home, port, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+
+
+def test_a_join_on_the_warm_server_writes_what_a_join_of_its_own_writes(
+    tmp_path: Path, servers: dict[str, str], connect_server: tuple[subprocess.Popen[str], Path, int, Path]
+) -> None:
+    proc, home, port, log = connect_server
+    logs = make_logs(tmp_path / "logs", seconds=10)
+    base = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env = base | {"PHOTON_REGISTRY_DSN": servers["main"]}
+    args = ["--logs", str(logs), "--until-caught-up", "--drain", "--trigger-interval", "0.1"]
+
+    # The server: loopback only, its token and url readable by this user alone.
+    listening = {
+        c.laddr.ip
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+    assert listening and all(loopback(ip) for ip in listening), listening
+    if (ip := outside_address()) is not None:
+        assert refused(ip, port), f"Spark Connect answers on {ip}"
+    for name in ("token", "url"):
+        assert (home / "spark-connect" / name).stat().st_mode & 0o777 == 0o600
+
+    # A client without the token is refused (in a process of its own: a Spark Connect client in this one would
+    # become the active session, and its threads outlive the test).
+    client = (
+        "from pyspark.sql import SparkSession\n"
+        f"SparkSession.builder.remote('sc://localhost:{port}').getOrCreate().range(1).collect()\n"
+    )
+    refused_client = subprocess.run(
+        [sys.executable, "-c", client], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert refused_client.returncode != 0 and "UNAUTHENTICATED" in refused_client.stderr, refused_client.stderr[-3000:]
+
+    # dc-a through the server, as a least-privilege login; dc-b as a process of its own, racing the same clicks
+    # after it: together they join every click once.
+    t0 = time.monotonic()
+    on_server = photon("join", "--dc", "dc-a", "--out", str(tmp_path / "out"), "--connect", *args, env=env)
+    took = time.monotonic() - t0
+    assert on_server.returncode == 0, on_server.stdout + on_server.stderr
+    alone = photon("join", "--dc", "dc-b", "--out", str(tmp_path / "out"), "--master", "local[2]", *args, env=env)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    report = audit(tmp_path / "out", manifest=logs / "_manifest")
+    assert report.ok and report.duplicate_clicks == 0 and report.lost == 0, report.failures()
+    ids = joined_ids(tmp_path / "out")
+    assert len(ids) == len(set(ids))
+    a = joined_ids_of(tmp_path / "out" / "dc-a")
+    assert len(a) >= 0.9 * len(ids) > 0  # dc-a, first, joined nearly all; dc-b found those registered
+    print(f"photon join --connect: {took:.1f} s for {len(a):,} joined clicks")
+
+    # Stopped by SIGTERM: nothing of its tree is left, and the url is gone.
+    tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()
+    time.sleep(1)
+    assert [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+    assert not (home / "spark-connect" / "url").exists()
+    gone = photon("join", "--dc", "dc-a", "--out", str(tmp_path / "out"), "--connect", *args, env=env)
+    assert gone.returncode == 2 and "photon spark-connect" in gone.stderr and "Traceback" not in gone.stderr
+
+
+def loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def joined_ids_of(folder: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return [i for p in sorted(folder.glob("joined/*.parquet")) for i in pq.read_table(p)["click_id"].to_pylist()]
+
+
+def test_a_worker_with_other_code_refuses_the_task() -> None:
+    from photon.joiner.common import CODE_FINGERPRINT, CodeMismatchError, check_code
+
+    check_code(CODE_FINGERPRINT)
+    check_code("")  # a task from before the check
+    with pytest.raises(CodeMismatchError, match="restart it"):
+        check_code("0" * 16)
