@@ -916,6 +916,15 @@ def airflow_cmd(
             help="Airflow's own log levels: the access log, DAG-parse bookkeeping, statistics every 30 s.",
         ),
     ] = False,
+    spark_connect: Annotated[
+        bool,
+        typer.Option(
+            "--spark-connect/--no-spark-connect",
+            envvar="PHOTON_AIRFLOW_SPARK_CONNECT",
+            help="Keep a Spark Connect server warm for the backfill tasks (photon spark-connect): each joins without "
+            "a Spark start of its own.",
+        ),
+    ] = True,
 ) -> None:
     """Airflow with the project's DAGs on this machine: metadata on PostgreSQL (the embedded server, or the one
     PHOTON_REGISTRY_DSN names), the LocalExecutor, the UI on 127.0.0.1. SIGINT or SIGTERM stops every process.
@@ -930,6 +939,7 @@ def airflow_cmd(
             metadata_db=metadata_db,
             access_log=access_log,
             verbose=verbose,
+            spark_connect=spark_connect,
         )
     )
 

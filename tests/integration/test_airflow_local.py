@@ -497,6 +497,8 @@ def test_backfill_while_a_joiner_lease_runs(
         )
         shutil.copytree(logs / "_manifest", manifest, ignore=shutil.ignore_patterns("live-*"))
 
+        # The backfill's tasks take the Spark Connect server once it is warm (before, they start their own Spark).
+        wait_for("the Spark Connect server", lambda: (home / "spark-connect" / "url").exists(), 180, af)
         t_backfill = time.monotonic()
         first, last = hours[0].strftime("%Y-%m-%dT%H:%M:%S"), hours[-1].strftime("%Y-%m-%dT%H:%M:%S")
         # The README's command, as pasted (its two example dates the test's first and last hours).
@@ -515,6 +517,11 @@ def test_backfill_while_a_joiner_lease_runs(
         assert sorted(x["data_interval_start"][:19] for x in runs) == [h.strftime("%Y-%m-%dT%H:%M:%S") for h in hours]
         for x in runs:
             assert set(api.task_states("photon_backfill", x["dag_run_id"]).values()) == {"success"}
+        # Every backfill task joined on the Spark Connect server photon airflow keeps warm, not with a Spark of its own.
+        task_logs = sorted((home / "airflow" / "logs" / "dag_id=photon_backfill").rglob("attempt=*.log"))
+        assert len(task_logs) == 6, task_logs
+        for task_log in task_logs:
+            assert "joining on the warm Spark Connect server" in task_log.read_text(errors="replace"), task_log
         # The console during the backfill: the tasks' own lines and each run's end, not Airflow's per-task
         # bookkeeping (about 25 lines a task before).
         console = af.log.read_text(errors="replace").splitlines()

@@ -214,3 +214,36 @@ def test_the_api_tokens_are_signed_with_a_key_of_64_bytes_kept_per_airflow_home(
     other = tmp_path / "other"
     other.mkdir()
     assert deployment(other).environment({"PATH": "/usr/bin"})["AIRFLOW__API_AUTH__JWT_SECRET"] != first
+
+
+def test_a_spark_connect_server_is_a_component_stopped_with_the_api_server(tmp_path: Path) -> None:
+    from photon.airflow.standalone import WORKERS
+
+    assert "spark-connect" not in deployment(tmp_path).component_commands()
+    commands = deployment(tmp_path, spark_connect_port=15123).component_commands()
+    assert commands["spark-connect"][1:] == ["-m", "photon", "spark-connect", "--port", "15123"]
+    assert "spark-connect" not in WORKERS  # stopped after the scheduler's tasks, which use it
+
+
+def test_a_backfill_task_joins_on_the_warm_server_only_when_it_runs_this_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator hands the job the server's URL when ``photon spark-connect`` left one under PHOTON_HOME for this
+    very code; with no server, or one holding other code, the job starts its own Spark (and says why)."""
+    from photon.airflow.dags import backfill_dag
+    from photon.joiner.common import CODE_FINGERPRINT
+
+    monkeypatch.setenv("PHOTON_HOME", str(tmp_path))
+    monkeypatch.delenv("PHOTON_SPARK_REMOTE", raising=False)
+    tasks = backfill_dag().tasks
+    assert tasks and all(t.spark_connect for t in tasks)  # type: ignore[attr-defined]
+    task = tasks[0]
+    assert task.spark_remote() is None  # type: ignore[attr-defined]
+    url = tmp_path / "spark-connect" / "url"
+    url.parent.mkdir()
+    url.write_text(f"sc://localhost:15123/;token=t\n{CODE_FINGERPRINT}\n")
+    assert task.spark_remote() == "sc://localhost:15123/;token=t"  # type: ignore[attr-defined]
+    url.write_text("sc://localhost:15123/;token=t\n0000000000000000\n")
+    assert task.spark_remote() is None  # type: ignore[attr-defined]
+    monkeypatch.setenv("PHOTON_SPARK_REMOTE", "sc://elsewhere:1/;token=u")
+    assert task.spark_remote() == "sc://elsewhere:1/;token=u"  # type: ignore[attr-defined]

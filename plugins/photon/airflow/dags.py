@@ -147,13 +147,17 @@ def join_dag(dc: str, standby: bool = False) -> DAG:
     return dag
 
 
-def _joiner_task(task_id: str, name: str, dc: str, args: list[str], timeout: timedelta) -> PhotonSparkSubmitOperator:
-    """A joiner run through spark-submit (``spark/photon_join.py``) on ``spark_default``, as the joiner's login."""
+def _joiner_task(
+    task_id: str, name: str, dc: str, args: list[str], timeout: timedelta, *, spark_connect: bool = False
+) -> PhotonSparkSubmitOperator:
+    """A joiner run through spark-submit (``spark/photon_join.py``) on ``spark_default``, as the joiner's login; with
+    ``spark_connect``, on the warm Spark Connect server when one is up."""
     return PhotonSparkSubmitOperator(
         task_id=task_id,
         application=JOIN_APP,
         conn_id="spark_default",
         registry_component="joiner",
+        spark_connect=spark_connect,
         name=name,
         application_args=[
             *("--dc", dc, "--logs", LOGS, "--out", OUT, "--max-join-delay", "{{ params.max_join_delay_s }}"),
@@ -198,6 +202,8 @@ def backfill_dag() -> DAG:
                     *("--window-end", "{{ data_interval_end.isoformat() }}"),
                 ],
                 timedelta(hours=6),
+                # A backfill task is short: on the warm server it skips a Spark start longer than its hour's join.
+                spark_connect=True,
             )
             if previous is not None:
                 task.trigger_rule = TriggerRule.ALL_DONE

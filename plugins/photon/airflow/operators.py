@@ -41,12 +41,30 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
         *,
         registry_conn_id: str = IdRegistryHook.default_conn_name,
         registry_component: Component = "joiner",
+        spark_connect: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         component_conn_id(registry_conn_id, registry_component)  # an unknown component fails the DAG file's import
         self.registry_conn_id = registry_conn_id
         self.registry_component = registry_component
+        self.spark_connect = spark_connect
+
+    def spark_remote(self) -> str | None:
+        """With ``spark_connect``: the URL of the Spark Connect server ``photon airflow`` keeps under PHOTON_HOME,
+        if it is up (``PHOTON_SPARK_REMOTE``, when set, wins); else None, and the job starts Spark itself."""
+        if not self.spark_connect:
+            return None
+        if os.environ.get("PHOTON_SPARK_REMOTE"):
+            return os.environ["PHOTON_SPARK_REMOTE"]
+        from photon.settings import load_settings
+        from photon.tools.spark_connect import NoServerError, url
+
+        try:
+            return url(load_settings().home)
+        except NoServerError as exc:
+            self.log.info("%s; this job starts its own Spark", exc)
+            return None
 
     def execute(self, context: Any) -> None:
         bin_dir = str(Path(sys.executable).parent)
@@ -58,6 +76,10 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
             **(self.env_vars or {}),
             **IdRegistryHook(self.registry_conn_id, component=self.registry_component).environment(),
         }
+        if remote := self.spark_remote():
+            # The job's driver is a Spark Connect client of the warm server: spark-submit starts no SparkContext.
+            env["PHOTON_SPARK_REMOTE"] = remote
+            self.log.info("joining on the warm Spark Connect server (no Spark start of its own)")
         self.env_vars = env
         self.conf = {
             "spark.executorEnv.PYTHONPATH": env["PYTHONPATH"],

@@ -159,6 +159,8 @@ class LocalAirflow:
     verbose: bool = False
     # Component -> its login's DSN on ``main`` (the embedded registry): the connections photon_registry_<component>.
     components: Mapping[str, str] = field(default_factory=dict)
+    # The port of the Spark Connect server kept warm for backfill tasks (photon spark-connect); None: no server.
+    spark_connect_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -251,6 +253,10 @@ class LocalAirflow:
     def component_commands(self) -> dict[str, list[str]]:
         airflow = str(Path(sys.executable).parent / "airflow")
         commands = {name: [airflow, *args] for name, args in WORKERS.items()}
+        if self.spark_connect_port is not None:
+            # Stopped with the API server, after the tasks that use it.
+            commands["spark-connect"] = [sys.executable, "-m", "photon", "spark-connect"]
+            commands["spark-connect"] += ["--port", str(self.spark_connect_port)]
         return commands | {"api-server": [airflow, "api-server", "--host", self.host, "--port", str(self.port)]}
 
     @property
@@ -269,6 +275,18 @@ def local_component_logins(airflow_home: Path, admin_dsn: str) -> dict[str, str]
         lambda: json.dumps({c: secrets.token_urlsafe(24) for c in COMPONENT_ROLES}),
     )
     return ensure_component_logins(admin_dsn, json.loads(text))
+
+
+def free_spark_connect_port() -> int:
+    """Spark Connect's usual port, 15002, or any free one on loopback: the tasks find the server through the url
+    file it leaves in PHOTON_HOME, not by its port."""
+    from photon.tools.spark_connect import DEFAULT_PORT
+
+    if not port_in_use("127.0.0.1", DEFAULT_PORT):
+        return DEFAULT_PORT
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def component_connection_vars() -> list[str]:
@@ -593,10 +611,12 @@ def serve(
     grace_s: float = 30.0,
     access_log: bool = False,
     verbose: bool = False,
+    spark_connect: bool = True,
     say: Callable[[str], None] = lambda line: emit("photon", line),
 ) -> int:
-    """``photon airflow``: the registry (initialised), Airflow's metadata database beside it, the components; returns
-    the exit status once everything it started has stopped, the embedded PostgreSQL included."""
+    """``photon airflow``: the registry (initialised), Airflow's metadata database beside it, the components (with
+    ``spark_connect``, a Spark Connect server for the backfill tasks); returns the exit status once everything it
+    started has stopped, the embedded PostgreSQL included."""
     from photon.pg import EmbeddedPostgres, redact
     from photon.registry.admin import init_registry
     from photon.registry.client import servers_from_settings
@@ -628,6 +648,7 @@ def serve(
                 access_log=access_log,
                 verbose=verbose,
                 components=embedded_component_logins(airflow_home, embedded, servers),
+                spark_connect_port=free_spark_connect_port() if spark_connect else None,
             )
             env = deployment.environment()
             say(f"registry: {redact(servers['main'])}")

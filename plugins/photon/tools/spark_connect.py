@@ -10,10 +10,11 @@ The server is Spark's own (``org.apache.spark.sql.connect.service.SparkConnectSe
 through spark-submit in local mode with the project's driver options; bound to 127.0.0.1 and answering only clients
 that present its token (``spark.connect.authenticate.token``, given in the environment, not on the command line), a
 random one made once per PHOTON_HOME in ``spark-connect/token`` (mode 600). Once it answers, a warm-up job imports the
-joiner in every Python worker; then ``spark-connect/url`` (mode 600) names it with its token, which ``photon join
---connect`` reads. The workers run the code they imported at the start: a joiner whose code differs refuses to run
-its tasks there (``photon.joiner.common.check_code``): restart the server after changing the code. SIGTERM or SIGINT
-stops it (its whole process group), and removes the url file.
+joiner in every Python worker; then ``spark-connect/url`` (mode 600) names it with its token and the fingerprint of
+the code the workers imported, which ``photon join --connect`` reads. A joiner whose code differs does not use it
+(``url`` says so; a backfill task then starts its own Spark), and a task that reaches a worker with other code
+anyway is refused there (``photon.joiner.common.check_code``): restart the server after changing the code. SIGTERM
+or SIGINT stops it (its whole process group), and removes the url file.
 """
 
 from __future__ import annotations
@@ -49,14 +50,24 @@ def folder(home: Path) -> Path:
 
 
 def url(home: Path) -> str:
-    """The running server's URL with its token (``sc://localhost:<port>/;token=...``), from ``spark-connect/url``."""
+    """The running server's URL with its token (``sc://localhost:<port>/;token=...``), from ``spark-connect/url``,
+    if its workers run this process's photon code."""
+    from photon.joiner.common import CODE_FINGERPRINT
+
     path = folder(home) / "url"
     try:
-        return path.read_text().strip()
+        text = path.read_text().strip()
     except FileNotFoundError:
         raise NoServerError(
             f"no Spark Connect server under {folder(home)}: start one with `photon spark-connect`"
         ) from None
+    remote, _, code = text.partition("\n")
+    if code.strip() != CODE_FINGERPRINT:
+        raise NoServerError(
+            f"the Spark Connect server under {folder(home)} runs other photon code ({code.strip()}) than this one "
+            f"({CODE_FINGERPRINT}): the checkout changed since it started; restart it (photon spark-connect)"
+        )
+    return remote.strip()
 
 
 def spark_home() -> Path:
@@ -131,6 +142,8 @@ def serve(
     say: Callable[[str], None] = print,
 ) -> int:
     """Run the server until SIGTERM or SIGINT; its exit status (0 once stopped by a signal)."""
+    from photon.joiner.common import CODE_FINGERPRINT  # before the workers import the code
+
     home = home.resolve()
     where = folder(home)
     where.mkdir(parents=True, exist_ok=True)
@@ -174,7 +187,8 @@ def serve(
             time.sleep(0.2)
         remote = f"sc://localhost:{port}/;token={token}"
         warm_s = warm_up(remote, cores)
-        secret_file(url_file, lambda: remote, replace=True)
+        # The URL, and the code the workers imported (the warm-up, just now, in this checkout).
+        secret_file(url_file, lambda: f"{remote}\n{CODE_FINGERPRINT}", replace=True)
         say(
             f"Spark Connect on 127.0.0.1:{port} ({master}, {cores} cores), ready after {time.monotonic() - t0:.1f} s "
             f"(warm-up {warm_s:.1f} s); `photon join --connect` uses it; log {log}"
