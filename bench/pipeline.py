@@ -191,7 +191,7 @@ def connect_server(home: Path) -> Iterator[str]:
         proc = subprocess.Popen(cmd, env=os.environ | {"PHOTON_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
-        while "ready after" not in log.read_text():
+        while "warm, up in" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"photon spark-connect did not start: {log.read_text()[-2000:]}")
             time.sleep(0.5)

@@ -489,11 +489,13 @@ def join_cmd(
 
     remote = None
     if connect:
-        from photon.tools.spark_connect import url
+        from photon.tools.spark_connect import TOKEN_ENV, connection
 
         if master:
             raise ValueError("--connect runs on the server's master: leave out --master")
-        remote = url(load_settings().home)  # no server: one line, before anything starts
+        # No server (or one with other code): one line, before anything starts. The token travels in the
+        # environment, not in the URL, which Spark's errors print.
+        remote, os.environ[TOKEN_ENV] = connection(load_settings().home)
 
     if start != BEGINNING and (window_start or window_end):
         raise ValueError("--start is a live pipeline's; a backfill's --window-start/--window-end is its range")

@@ -40,6 +40,8 @@ def get_spark(
 
     remote = remote or os.environ.get(REMOTE_ENV) or None
     if remote:
+        # spark-submit sets MASTER for the Python it runs; a Connect client has no master of its own.
+        os.environ.pop("MASTER", None)
         # Only the session's SQL settings: the JVM, the master and the UI are the server's.
         return (
             SparkSession.builder.remote(remote)

@@ -40,7 +40,7 @@ def connect_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path
     )
     try:
         deadline = time.monotonic() + 180
-        while "ready after" not in log.read_text():
+        while "warm, up in" not in log.read_text():
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)

@@ -238,12 +238,17 @@ def test_a_backfill_task_joins_on_the_warm_server_only_when_it_runs_this_code(
     tasks = backfill_dag().tasks
     assert tasks and all(t.spark_connect for t in tasks)  # type: ignore[attr-defined]
     task = tasks[0]
-    assert task.spark_remote() is None  # type: ignore[attr-defined]
-    url = tmp_path / "spark-connect" / "url"
-    url.parent.mkdir()
-    url.write_text(f"sc://localhost:15123/;token=t\n{CODE_FINGERPRINT}\n")
-    assert task.spark_remote() == "sc://localhost:15123/;token=t"  # type: ignore[attr-defined]
-    url.write_text("sc://localhost:15123/;token=t\n0000000000000000\n")
-    assert task.spark_remote() is None  # type: ignore[attr-defined]
+    assert task.spark_remote() == {}  # type: ignore[attr-defined]
+    where = tmp_path / "spark-connect"
+    where.mkdir()
+    (where / "token").write_text("t0k\n")
+    (where / "url").write_text(f"sc://localhost:15123\n{CODE_FINGERPRINT}\n")
+    # The token in the environment, never in the URL (Spark's errors print the URL).
+    assert task.spark_remote() == {  # type: ignore[attr-defined]
+        "PHOTON_SPARK_REMOTE": "sc://localhost:15123",
+        "SPARK_CONNECT_AUTHENTICATE_TOKEN": "t0k",
+    }
+    (where / "url").write_text("sc://localhost:15123\n0000000000000000\n")
+    assert task.spark_remote() == {}  # type: ignore[attr-defined]
     monkeypatch.setenv("PHOTON_SPARK_REMOTE", "sc://elsewhere:1/;token=u")
-    assert task.spark_remote() == "sc://elsewhere:1/;token=u"  # type: ignore[attr-defined]
+    assert task.spark_remote() == {"PHOTON_SPARK_REMOTE": "sc://elsewhere:1/;token=u"}  # type: ignore[attr-defined]

@@ -50,21 +50,23 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
         self.registry_component = registry_component
         self.spark_connect = spark_connect
 
-    def spark_remote(self) -> str | None:
-        """With ``spark_connect``: the URL of the Spark Connect server ``photon airflow`` keeps under PHOTON_HOME,
-        if it is up (``PHOTON_SPARK_REMOTE``, when set, wins); else None, and the job starts Spark itself."""
+    def spark_remote(self) -> dict[str, str]:
+        """With ``spark_connect``: the environment that makes the job a client of the Spark Connect server
+        ``photon airflow`` keeps under PHOTON_HOME, if it is up and runs this code (``PHOTON_SPARK_REMOTE``, when
+        set, wins); else nothing, and the job starts Spark itself."""
         if not self.spark_connect:
-            return None
+            return {}
         if os.environ.get("PHOTON_SPARK_REMOTE"):
-            return os.environ["PHOTON_SPARK_REMOTE"]
+            return {"PHOTON_SPARK_REMOTE": os.environ["PHOTON_SPARK_REMOTE"]}
         from photon.settings import load_settings
-        from photon.tools.spark_connect import NoServerError, url
+        from photon.tools.spark_connect import TOKEN_ENV, NoServerError, connection
 
         try:
-            return url(load_settings().home)
+            remote, token = connection(load_settings().home)
         except NoServerError as exc:
             self.log.info("%s; this job starts its own Spark", exc)
-            return None
+            return {}
+        return {"PHOTON_SPARK_REMOTE": remote, TOKEN_ENV: token}
 
     def execute(self, context: Any) -> None:
         bin_dir = str(Path(sys.executable).parent)
@@ -78,7 +80,7 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
         }
         if remote := self.spark_remote():
             # The job's driver is a Spark Connect client of the warm server: spark-submit starts no SparkContext.
-            env["PHOTON_SPARK_REMOTE"] = remote
+            env |= remote
             self.log.info("joining on the warm Spark Connect server (no Spark start of its own)")
         self.env_vars = env
         self.conf = {

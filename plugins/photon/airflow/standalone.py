@@ -278,12 +278,8 @@ def local_component_logins(airflow_home: Path, admin_dsn: str) -> dict[str, str]
 
 
 def free_spark_connect_port() -> int:
-    """Spark Connect's usual port, 15002, or any free one on loopback: the tasks find the server through the url
-    file it leaves in PHOTON_HOME, not by its port."""
-    from photon.tools.spark_connect import DEFAULT_PORT
-
-    if not port_in_use("127.0.0.1", DEFAULT_PORT):
-        return DEFAULT_PORT
+    """A free port on loopback for the deployment's Spark Connect server (the tasks find it through the url file it
+    leaves in PHOTON_HOME, not by its port; two deployments on one machine never race for 15002)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

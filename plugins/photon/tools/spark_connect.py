@@ -36,6 +36,7 @@ from photon.spark_session import driver_java_options
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
+TOKEN_ENV = "SPARK_CONNECT_AUTHENTICATE_TOKEN"  # the server's, and a client's when its URL names no token
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 15.0
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,25 +50,25 @@ def folder(home: Path) -> Path:
     return home / "spark-connect"
 
 
-def url(home: Path) -> str:
-    """The running server's URL with its token (``sc://localhost:<port>/;token=...``), from ``spark-connect/url``,
-    if its workers run this process's photon code."""
+def connection(home: Path) -> tuple[str, str]:
+    """The running server's URL (``sc://localhost:<port>``, from ``spark-connect/url``) and its token, if its workers
+    run this process's photon code. The token goes to a client in ``SPARK_CONNECT_AUTHENTICATE_TOKEN``, not in the
+    URL, which Spark's errors print."""
     from photon.joiner.common import CODE_FINGERPRINT
 
-    path = folder(home) / "url"
+    where = folder(home)
     try:
-        text = path.read_text().strip()
+        text = (where / "url").read_text().strip()
+        token = (where / "token").read_text().strip()
     except FileNotFoundError:
-        raise NoServerError(
-            f"no Spark Connect server under {folder(home)}: start one with `photon spark-connect`"
-        ) from None
+        raise NoServerError(f"no Spark Connect server under {where}: start one with `photon spark-connect`") from None
     remote, _, code = text.partition("\n")
     if code.strip() != CODE_FINGERPRINT:
         raise NoServerError(
-            f"the Spark Connect server under {folder(home)} runs other photon code ({code.strip()}) than this one "
+            f"the Spark Connect server under {where} runs other photon code ({code.strip()}) than this one "
             f"({CODE_FINGERPRINT}): the checkout changed since it started; restart it (photon spark-connect)"
         )
-    return remote.strip()
+    return remote.strip(), token
 
 
 def spark_home() -> Path:
@@ -96,6 +97,21 @@ def server_command(port: int, master: str, cores: int) -> list[str]:
     return [*cmd, "spark-internal"]
 
 
+def _listening(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether the server this process started (not some other one: two deployments may race for a port) listens on
+    ``port``."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections(kind="inet")):
+                return True
+    except psutil.Error:
+        pass
+    return False
+
+
 def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0):
@@ -113,12 +129,13 @@ def _warm_task(batches: Iterator[Any]) -> Iterator[Any]:
     yield from batches
 
 
-def warm_up(remote: str, cores: int) -> float:
+def warm_up(remote: str, token: str, cores: int) -> float:
     """A job of two stages (a shuffle between them) over 2 x ``cores`` tasks through the server: its Python workers
     start and import the joiner, its JVM runs the Arrow and shuffle paths once. Seconds it took."""
     from photon.spark_session import get_spark
 
     t0 = time.monotonic()
+    os.environ[TOKEN_ENV] = token
     spark = get_spark("photon-spark-connect-warm-up", remote=remote)
     try:
         n = 2 * cores
@@ -158,7 +175,7 @@ def serve(
         "SPARK_HOME": str(spark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
-        "SPARK_CONNECT_AUTHENTICATE_TOKEN": token,
+        TOKEN_ENV: token,
     }
     log = where / "server.log"
     t0 = time.monotonic()
@@ -174,7 +191,7 @@ def serve(
             server_command(port, master, cores), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        while not _answers(port):
+        while not _listening(proc, port):
             if proc.poll() is not None:
                 say(f"error: the Spark Connect server exited with {proc.returncode} before it answered: see {log}")
                 return 2
@@ -185,12 +202,12 @@ def serve(
                     )
                 return 0 if stopping else 2
             time.sleep(0.2)
-        remote = f"sc://localhost:{port}/;token={token}"
-        warm_s = warm_up(remote, cores)
+        remote = f"sc://localhost:{port}"  # localhost: gRPC's local credentials, which carry the token
+        warm_s = warm_up(remote, token, cores)
         # The URL, and the code the workers imported (the warm-up, just now, in this checkout).
         secret_file(url_file, lambda: f"{remote}\n{CODE_FINGERPRINT}", replace=True)
         say(
-            f"Spark Connect on 127.0.0.1:{port} ({master}, {cores} cores), ready after {time.monotonic() - t0:.1f} s "
+            f"Spark Connect on 127.0.0.1:{port} ({master}, {cores} cores): warm, up in {time.monotonic() - t0:.1f} s "
             f"(warm-up {warm_s:.1f} s); `photon join --connect` uses it; log {log}"
         )
         while not stopping and proc.poll() is None:
