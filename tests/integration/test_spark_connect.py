@@ -136,3 +136,49 @@ def test_a_worker_with_other_code_refuses_the_task() -> None:
     check_code("")  # a task from before the check
     with pytest.raises(CodeMismatchError, match="restart it"):
         check_code("0" * 16)
+
+
+def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
+    tmp_path: Path, servers: dict[str, str], connect_server: tuple[subprocess.Popen[str], Path, int, Path]
+) -> None:
+    """A Spark Connect client that dies leaves its job running on the server (an orphan, still registering under
+    the batch's token and writing its staged files) while the next process re-runs that batch: killed right after
+    a batch registered (the crash point), then killed while a batch's job runs, then run to the end. Each click is
+    joined once and none is lost, and every id registered under the pipeline is in its output."""
+    _, home, _, _ = connect_server
+    logs = make_logs(tmp_path / "logs", seconds=10)
+    out = tmp_path / "out"
+    env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env |= {"PHOTON_REGISTRY_DSN": servers["main"], "PHOTON_TEST_MAX_CLICK_FILES": "4"}
+    args = ["join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out), "--connect", "--until-caught-up"]
+    args += ["--drain", "--trigger-interval", "0.1"]
+
+    crashed = photon(*args, env=env | {"PHOTON_CRASH_AT": "after_register@2"})
+    assert crashed.returncode == -9, crashed.stdout + crashed.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "photon", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # its first batch done: the next one's job is on the server
+        if " batch " in line:
+            break
+    time.sleep(0.3)
+    proc.kill()
+    proc.wait()
+    final = photon(*args, env=env)
+    assert final.returncode == 0, final.stdout + final.stderr
+    time.sleep(5)  # an orphaned job's last registrations
+    report = audit(out, manifest=logs / "_manifest")
+    assert report.ok and report.duplicate_clicks == 0 and report.lost == 0, report.failures()
+    joined = joined_ids(out)
+    assert joined and len(joined) == len(set(joined))
+    from photon.pg import autocommit
+
+    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
+        cur.execute("SELECT owner_id FROM photon.pipelines WHERE pipeline = 'dc-a'")
+        owner = cur.fetchone()[0]
+        registered = 0
+        for shard in range(4):
+            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
+            registered += cur.fetchone()[0]
+    assert registered == len(set(joined))
