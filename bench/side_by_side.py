@@ -57,9 +57,9 @@ def default_workload(rate: float, seconds: float) -> Workload:
     return Workload("default", s, seconds, f"generator defaults, about {lines:,.0f} lines per query file")
 
 
-def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 20_000) -> Workload:
-    """Long query texts (20-60 words, every one non-ASCII, several scripts) in large files: ``lines_per_file``
-    lines per query file (8 query servers rotating every 10 s), clicks from one server."""
+def _large_files(rate: float, lines_per_file: int, **more: Any) -> tuple[GeneratorSettings, float]:
+    """One data center, 10 s files, as many query servers as make ``lines_per_file`` lines per query file, clicks
+    from one server; the settings and the lines per query file."""
     qps = rate / 1.1
     servers = max(1, round(qps * 10.0 / lines_per_file))
     s = GeneratorSettings(
@@ -70,11 +70,15 @@ def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 2
         chunk_s=10.0,
         query_servers=servers,
         click_servers=1,
-        query_vocabulary="non_ascii",
-        query_words_min=20,
-        query_words_max=60,
+        **more,
     )
-    lines = qps * 10.0 / servers
+    return s, qps * 10.0 / servers
+
+
+def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 20_000) -> Workload:
+    """Long query texts (20-60 words, every one non-ASCII, several scripts) in large files: ``lines_per_file``
+    lines per query file, clicks from one server."""
+    s, lines = _large_files(rate, lines_per_file, query_vocabulary="non_ascii", query_words_min=20, query_words_max=60)
     return Workload(
         "long_non_ascii",
         s,
@@ -87,25 +91,12 @@ def long_non_ascii_workload(rate: float, seconds: float, lines_per_file: int = 2
 def nested_ads_workload(rate: float, seconds: float, lines_per_file: int = 20_000) -> Workload:
     """Short query texts (the default 1-4 words) with 1-4 ads each in the nested array (a Poisson of mean 2, clipped
     to 1..8), ``lines_per_file`` lines per query file, 3% of lines sent twice and 0.1% malformed."""
-    qps = rate / 1.1
-    servers = max(1, round(qps * 10.0 / lines_per_file))
-    s = GeneratorSettings(
-        events_per_s=rate,
-        clicks_per_query=0.1,
-        dcs=(DC,),
-        rotate_s=10.0,
-        chunk_s=10.0,
-        query_servers=servers,
-        click_servers=1,
-        ads_per_query=2.0,
-        duplicate_fraction=0.03,
-        malformed_fraction=0.001,
-    )
+    s, lines = _large_files(rate, lines_per_file, ads_per_query=2.0, duplicate_fraction=0.03, malformed_fraction=0.001)
     return Workload(
         "nested_ads",
         s,
         seconds,
-        f"1-4 ads per query (mean 2), short texts, about {qps * 10.0 / servers:,.0f} lines per query file, 3% "
+        f"1-4 ads per query (mean 2), short texts, about {lines:,.0f} lines per query file, 3% "
         "duplicate and 0.1% malformed lines",
     )
 

@@ -34,6 +34,18 @@ def make_logs(root: Path, seconds: float = 20, rate: float = 600, **overrides: A
     return root
 
 
+def registered_under(dsn: str, pipeline: str, shards: int = 4) -> int:
+    """Ids the registry holds under the pipeline's owner (configuration 1's shards)."""
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT owner_id FROM photon.pipelines WHERE pipeline = %s", (pipeline,))
+        owner = cur.fetchone()[0]
+        registered = 0
+        for shard in range(shards):
+            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
+            registered += cur.fetchone()[0]
+    return int(registered)
+
+
 def joined_ids(out: Path) -> list[str]:
     ids: list[str] = []
     for p in sorted(out.glob("*/joined/*.parquet")):
@@ -161,14 +173,7 @@ def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
     assert report.duplicate_clicks == 0 and report.lost == 0
     # Every id registered under this pipeline's tokens is in the output: the re-run batches reclaimed the ids their
     # killed attempts had registered (same token, WON_AGAIN), so nothing is left for the verifier.
-    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
-        cur.execute("SELECT owner_id FROM photon.pipelines WHERE pipeline = 'dc-a'")
-        owner = cur.fetchone()[0]
-        registered = 0
-        for shard in range(4):
-            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
-            registered += cur.fetchone()[0]
-    assert registered == len(set(joined_ids(out)))
+    assert registered_under(servers["main"], "dc-a") == len(set(joined_ids(out)))
 
 
 def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, servers: dict[str, str]) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from photon.tools.audit import audit
 from tests.integration.test_airflow_local import free_port, outside_address, refused
-from tests.integration.test_joiner import ROOT, joined_ids, make_logs
+from tests.integration.test_joiner import ROOT, joined_ids, make_logs, registered_under
 
 
 def photon(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -172,13 +172,4 @@ def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
     assert report.ok and report.duplicate_clicks == 0 and report.lost == 0, report.failures()
     joined = joined_ids(out)
     assert joined and len(joined) == len(set(joined))
-    from photon.pg import autocommit
-
-    with autocommit(servers["main"]) as conn, conn.cursor() as cur:
-        cur.execute("SELECT owner_id FROM photon.pipelines WHERE pipeline = 'dc-a'")
-        owner = cur.fetchone()[0]
-        registered = 0
-        for shard in range(4):
-            cur.execute(f"SELECT count(*) FROM photon.ids_c1_s{shard} WHERE token >> 32 = %s", (owner,))
-            registered += cur.fetchone()[0]
-    assert registered == len(set(joined))
+    assert registered_under(servers["main"], "dc-a") == len(set(joined))
