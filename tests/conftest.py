@@ -153,6 +153,7 @@ SLOW_FIRST = (
     "tests/unit/test_parse_properties.py::test_random_bytes",  # 48 s
     "tests/integration/test_airflow.py",  # 46 s, 45 s, ...
     "tests/integration/test_completeness.py",  # 18-50 s
+    "tests/integration/test_spark_connect.py",  # 22 s and 25 s, each with a Spark Connect server of its own
     "tests/integration/test_acknowledged_replicated_paths.py",  # five server pairs, 3-10 s each
     "tests/integration/test_acknowledged_replicated.py",  # four server pairs, 6-8 s each
     "tests/integration/test_start.py",  # 15-73 s
