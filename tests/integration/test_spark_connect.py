@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import psycopg2.extensions
 import pytest
 
+from photon.pg import autocommit
 from photon.tools.audit import audit
 from tests.integration.test_airflow_local import free_port, outside_address, refused
 from tests.integration.test_joiner import ROOT, joined_ids, make_logs, registered_under
@@ -129,17 +131,34 @@ def joined_ids_of(folder: Path) -> list[str]:
     return [i for p in sorted(folder.glob("joined/*.parquet")) for i in pq.read_table(p)["click_id"].to_pylist()]
 
 
-def test_a_worker_with_other_code_refuses_the_task() -> None:
-    from photon.joiner.common import CODE_FINGERPRINT, CodeMismatchError, check_code
+def test_a_worker_with_other_code_refuses_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The photon package, and an adapter from outside it (a Connect server's workers import it from their own
+    path): a worker whose copy differs from the driver's refuses the task."""
+    from photon.joiner.common import CODE_FINGERPRINT, CodeMismatchError, check_code, code_fingerprint
 
-    check_code(CODE_FINGERPRINT)
-    check_code("")  # a task from before the check
+    default = "photon.joiner.adapter:default_adapter"
+    assert code_fingerprint(default) == CODE_FINGERPRINT
+    check_code(CODE_FINGERPRINT, default)
+    check_code("", default)  # a task from a classic session: no check
     with pytest.raises(CodeMismatchError, match="restart it"):
-        check_code("0" * 16)
+        check_code("0" * 16, default)
+    module = tmp_path / "my_adapter_for_connect.py"
+    module.write_text("from photon.joiner.adapter import default_adapter as adapt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    theirs = "my_adapter_for_connect:adapt"
+    driver = code_fingerprint(theirs)
+    assert driver.startswith(CODE_FINGERPRINT + "+my_adapter_for_connect:")
+    check_code(driver, theirs)
+    module.write_text("from photon.joiner.adapter import default_adapter as adapt  # the server's copy\n")
+    with pytest.raises(CodeMismatchError, match="adapter"):
+        check_code(driver, theirs)
 
 
 def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
-    tmp_path: Path, servers: dict[str, str], connect_server: tuple[subprocess.Popen[str], Path, int, Path]
+    tmp_path: Path,
+    servers: dict[str, str],
+    pg_admin_dsn: str,
+    connect_server: tuple[subprocess.Popen[str], Path, int, Path],
 ) -> None:
     """A Spark Connect client that dies leaves its job running on the server (an orphan, still registering under
     the batch's token and writing its staged files) while the next process re-runs that batch: killed right after
@@ -173,3 +192,16 @@ def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
     joined = joined_ids(out)
     assert joined and len(joined) == len(set(joined))
     assert registered_under(servers["main"], "dc-a") == len(set(joined))
+    # Each client session has Python workers of its own on the server, which outlive it by about a minute: they must
+    # not keep registry connections (a few short joins used up max_connections).
+    login = psycopg2.extensions.parse_dsn(servers["main"])["user"]
+
+    def sessions() -> int:
+        with autocommit(pg_admin_dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (login,))
+            return int(cur.fetchone()[0])
+
+    deadline = time.monotonic() + 20
+    while (left := sessions()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert left == 0, f"{left} registry sessions of the joiner's login still open"

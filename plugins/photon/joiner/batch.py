@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from photon.durable import make_dirs
-from photon.joiner.common import CODE_FINGERPRINT, JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag
+from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag, code_fingerprint
 from photon.joiner.discovery import Discovery, _marks_before
 from photon.joiner.eventstore import index_rows
 from photon.joiner.publish import publish_files
@@ -138,7 +138,7 @@ class BatchRunner:
             settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self.discovery.settled_as.items()},
             replication=replication_mode(),
             # Checked on a Spark Connect server only: its workers outlive any one joiner, so they may hold older code.
-            code=CODE_FINGERPRINT if is_remote(self.spark) else "",
+            code=code_fingerprint(self.s.adapter) if is_remote(self.spark) else "",
         )
 
     def _job(self, t: _Task, sources: list[tuple[str, str, str]]) -> list[Any]:

@@ -133,12 +133,27 @@ class CodeMismatchError(RuntimeError):
     pass
 
 
-def check_code(driver_fingerprint: str) -> None:
-    """Refuse to run a batch's task with other photon code than its driver's: a long-lived Spark Connect server's
-    Python workers imported the package when they started."""
-    if driver_fingerprint and driver_fingerprint != CODE_FINGERPRINT:
+def code_fingerprint(adapter: str) -> str:
+    """The code a batch's tasks run: the photon package (``CODE_FINGERPRINT``) and, for an adapter outside it, the
+    adapter module's source as this process finds it (a Spark Connect server's workers import the adapter from their
+    own path)."""
+    module = adapter.partition(":")[0]
+    if module == "photon" or module.startswith("photon."):
+        return CODE_FINGERPRINT
+    import importlib
+
+    path = getattr(importlib.import_module(module), "__file__", None)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else "no-source"
+    return f"{CODE_FINGERPRINT}+{module}:{digest}"
+
+
+def check_code(driver_fingerprint: str, adapter: str) -> None:
+    """Refuse to run a batch's task with other code than its driver's (``code_fingerprint``): a long-lived Spark
+    Connect server's Python workers imported the package when they started, and import the adapter from the
+    server's path."""
+    if driver_fingerprint and driver_fingerprint != (mine := code_fingerprint(adapter)):
         raise CodeMismatchError(
-            f"this Spark worker runs other photon code ({CODE_FINGERPRINT}) than the joiner that sent the task "
-            f"({driver_fingerprint}): the code changed since the Spark Connect server started; restart it "
-            "(photon spark-connect)"
+            f"this Spark worker runs other code ({mine}) than the joiner that sent the task ({driver_fingerprint}): "
+            "the photon package or the adapter differ from the server's (or changed since it started); restart it "
+            "(photon spark-connect) from the joiner's checkout, with the adapter on its PYTHONPATH"
         )

@@ -119,6 +119,12 @@ def _registry(servers: Mapping[str, str], max_future_s: float, failover_s: float
     return _REGISTRIES[key]
 
 
+def _close_registries() -> None:
+    while _REGISTRIES:
+        _, reg = _REGISTRIES.popitem()
+        reg.close()
+
+
 def _future_reason(max_future_s: float) -> str:
     # "the joiner's clock" is the registry server's, as the joiner reads it (kept word for word: readers match it)
     return (
@@ -299,7 +305,7 @@ def _source_task(
 
         from photon.joiner.eventstore import atomic_write, index_of, write_index
 
-        check_code(t.code)
+        check_code(t.code, t.adapter)
 
         stage = Path(t.stage)
         stored: list[pa.Table] = []
@@ -373,12 +379,19 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
-        check_code(t.code)
+        check_code(t.code, t.adapter)
         os.environ[REPLICATION_ENV] = t.replication  # this task's registry connections follow its driver's rule
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
         rows = pa.Table.from_batches(list(batches), CANDIDATE)
-        counts, latencies = join_partition(t, rows, part)
+        try:
+            counts, latencies = join_partition(t, rows, part)
+        finally:
+            if t.code:
+                # On a Spark Connect server every client session gets Python workers of its own, which outlive it
+                # by about a minute: kept, their registry connections used up the server's max_connections after
+                # a few short joins. Closed after each task instead (a connection costs milliseconds).
+                _close_registries()
         yield pa.RecordBatch.from_pydict(
             {**{k: [v] for k, v in counts.items()}, "latencies_s": [latencies.tolist()]}, JOIN_TASK
         )

@@ -2,15 +2,16 @@
 
 A backfill task is one ``photon join --until-caught-up`` process: on its own it pays Python's and Spark's start (a
 JVM, a SparkContext, the Python workers' imports: 7-10 s) before its first batch, more than the batch itself on an
-hour of logs. With ``photon join --connect`` the process is a Spark Connect client of this server instead: the JVM,
-the executors and the Python workers (which keep their imports and EventStore caches between tasks) are already
-running, and the process pays a gRPC session (about 0.3 s).
+hour of logs. With ``photon join --connect`` the process is a Spark Connect client of this server instead: the JVM
+and its executors are already running and warm, and the process pays a gRPC session (about 0.3 s). Spark Connect
+gives each client session Python workers of its own (their pool is keyed by the session's environment), forked at
+the session's first task: a session pays its workers' imports, and its EventStore caches last as long as it does.
 
 The server is Spark's own (``org.apache.spark.sql.connect.service.SparkConnectServer``, in the pyspark wheel), run
 through spark-submit in local mode with the project's driver options; bound to 127.0.0.1 and answering only clients
 that present its token (``spark.connect.authenticate.token``, given in the environment, not on the command line), a
-random one made once per PHOTON_HOME in ``spark-connect/token`` (mode 600). Once it answers, a warm-up job imports the
-joiner in every Python worker; then ``spark-connect/url`` (mode 600) names it with its token and the fingerprint of
+random one made once per PHOTON_HOME in ``spark-connect/token`` (mode 600). Once it answers, a warm-up job runs the
+joiner's task code through the JVM's Arrow and shuffle paths; then ``spark-connect/url`` (mode 600) names it with its token and the fingerprint of
 the code the workers imported, which ``photon join --connect`` reads. A joiner whose code differs does not use it
 (``url`` says so; a backfill task then starts its own Spark), and a task that reaches a worker with other code
 anyway is refused there (``photon.joiner.common.check_code``): restart the server after changing the code. SIGTERM
@@ -130,8 +131,8 @@ def _warm_task(batches: Iterator[Any]) -> Iterator[Any]:
 
 
 def warm_up(remote: str, token: str, cores: int) -> float:
-    """A job of two stages (a shuffle between them) over 2 x ``cores`` tasks through the server: its Python workers
-    start and import the joiner, its JVM runs the Arrow and shuffle paths once. Seconds it took."""
+    """A job of two stages (a shuffle between them) over 2 x ``cores`` tasks through the server: its JVM runs the
+    Arrow, Python and shuffle paths once (compiled before the first joiner's batch). Seconds it took."""
     from photon.spark_session import get_spark
 
     t0 = time.monotonic()
