@@ -11,10 +11,11 @@ The server is Spark's own (``org.apache.spark.sql.connect.service.SparkConnectSe
 through spark-submit in local mode with the project's driver options; bound to 127.0.0.1 and answering only clients
 that present its token (``spark.connect.authenticate.token``, given in the environment, not on the command line), a
 random one made once per PHOTON_HOME in ``spark-connect/token`` (mode 600). Once it answers, a warm-up job runs the
-joiner's task code through the JVM's Arrow and shuffle paths; then ``spark-connect/url`` (mode 600) names it with its token and the fingerprint of
-the code the workers imported, which ``photon join --connect`` reads. A joiner whose code differs does not use it
-(``url`` says so; a backfill task then starts its own Spark), and a task that reaches a worker with other code
-anyway is refused there (``photon.joiner.common.check_code``): restart the server after changing the code. SIGTERM
+joiner's task code through the JVM's Arrow and shuffle paths; then ``spark-connect/url`` (mode 600) names its address
+and the fingerprint of the photon code it runs, which ``photon join --connect`` reads (``connection``), with the
+token. A joiner whose code differs does not use it (``connection`` says so; a backfill task then starts its own
+Spark), and a task that reaches a worker with other code anyway (or another copy of its adapter) is refused there
+(``photon.joiner.common.check_code``): restart the server after changing the code. SIGTERM
 or SIGINT stops it (its whole process group), and removes the url file.
 """
 
