@@ -3,6 +3,7 @@ embedded server started for this test session. Every test gets its own database(
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -17,6 +18,9 @@ import pytest
 # Airflow reads its configuration when first imported: point it at a throwaway home (a SQLite metadata database,
 # this project's DAGs, no examples) before any test imports it. The user's own Airflow is never touched.
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="photon-airflow-tests-")
+# Removed when this process exits, whether or not a test used it (the airflow_db fixture removes it too): each
+# pytest process and xdist worker used to leave one behind in /tmp.
+atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
 os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "false"
