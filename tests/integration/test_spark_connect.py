@@ -205,3 +205,23 @@ def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
     while (left := sessions()) and time.monotonic() < deadline:
         time.sleep(1)
     assert left == 0, f"{left} registry sessions of the joiner's login still open"
+
+
+def test_relative_folders_mean_the_joiners_folders_not_the_servers(
+    tmp_path: Path, servers: dict[str, str], connect_server: tuple[subprocess.Popen[str], Path, int, Path]
+) -> None:
+    """A newcomer's `--logs .photon/logs --out .photon/out`, pasted in the clone while the server runs elsewhere: the
+    server's Python workers have another working folder, so the joiner hands them absolute paths. Before, the batch
+    read nothing there and committed 0 clicks, and the audit counted every click lost."""
+    _, home, _, _ = connect_server
+    work = tmp_path / "clone"
+    make_logs(work / "logs", seconds=10)
+    env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env |= {"PHOTON_REGISTRY_DSN": servers["main"]}
+    args = ["join", "--dc", "dc-a", "--logs", "logs", "--out", "out", "--connect", "--until-caught-up", "--drain"]
+    done = subprocess.run(
+        [sys.executable, "-m", "photon", *args], cwd=work, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = audit(work / "out", manifest=work / "logs" / "_manifest")
+    assert report.ok and report.duplicate_clicks == 0 and report.lost == 0, report.failures()

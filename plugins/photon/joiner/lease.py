@@ -62,6 +62,8 @@ class Joiner:
         """Joins ``<logs>/<dc>`` into ``<out>/<pipeline>``; the pipeline (its state, token owner and output folder)
         is named after the data center unless given, as a backfill names its own. ``clock``: the registry main
         server's (measured here unless given)."""
+        # Absolute: the executors (a Spark Connect server's workers, a cluster's) have working folders of their own.
+        logs, out = Path(logs).resolve(), Path(out).resolve()
         self.dc, self.logs, self.out = dc, logs, out
         self.pipeline = pipeline or dc
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,30}", self.pipeline):
