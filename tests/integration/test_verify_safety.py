@@ -208,6 +208,27 @@ def test_missing_output_stops_the_verifier_and_changes_nothing(tmp_path: Path, r
     assert report.committed == held and report.lost == 0 and tokened(roles.owner) == 0
 
 
+def test_a_pass_that_stopped_leaves_the_lock_free_for_the_next_one(tmp_path: Path, roles: Roles, spark: Any) -> None:
+    """Found by CI: a pass that raised (missing evidence) or returned early (a dry run) left its advisory lock to the
+    server's backend, which lets it go only once it has noticed the closed connection; a pass started at once after
+    it (an operator's second try, an Airflow retry) was refused as "another verifier pass is running"."""
+    logs = make_logs(tmp_path / "logs", ("dc-a",), seconds=2, rate=100)
+    out = tmp_path / "out"
+    Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
+    held = tokened(roles.owner)
+    assert held > 0
+    locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    with autocommit(roles.owner) as conn, conn.cursor() as cur:
+        for i in range(100):
+            assert verify_and_recover(roles.verifier, out, logs, grace_s=0.0, dry_run=True).checked == held
+            cur.execute(locks)
+            assert cur.fetchone()[0] == 0, f"try {i}: a dry run returned with its lock still held"
+            with pytest.raises(EvidenceMissingError, match="nothing was changed"):
+                verify_and_recover(roles.verifier, tmp_path / f"typo{i}", logs, grace_s=0.0)
+            cur.execute(locks)
+            assert cur.fetchone()[0] == 0, f"try {i}: a refused pass returned with its lock still held"
+
+
 # -- 4. least privilege ----------------------------------------------------------------------------------------------
 
 

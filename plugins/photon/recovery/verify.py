@@ -43,12 +43,13 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg2
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -235,10 +236,7 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
     report = VerifyReport(dry_run=dry_run)
     dcs = _data_centers(logs)
     # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.
-    with autocommit(servers[MAIN], application_name="photon-verify") as lock, lock.cursor() as lcur:
-        lcur.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
-        if not lcur.fetchone()[0]:
-            raise VerifierBusyError("another verifier pass is running (advisory lock held); nothing was changed")
+    with _pass_lock(servers[MAIN]) as lcur:
         if not dry_run:
             _publish_leftover_intents(servers, logs, dcs)
         # 2. State and registry rows.
@@ -349,8 +347,23 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
                             report.redispatched_files.append(str(published))
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
-        lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
     return report
+
+
+@contextlib.contextmanager
+def _pass_lock(dsn: str) -> Iterator[Any]:
+    """A cursor on the session holding the verifier's lock, refused with VerifierBusyError if another pass holds it."""
+    with autocommit(dsn, application_name="photon-verify") as lock, lock.cursor() as lcur:
+        lcur.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
+        if not lcur.fetchone()[0]:
+            raise VerifierBusyError("another verifier pass is running (advisory lock held); nothing was changed")
+        try:
+            yield lcur
+        finally:
+            # Let go here, not by closing: the backend frees a session's locks only once it notices the close, and a
+            # pass started at once after one that stopped early (a retry) was refused as busy.
+            with contextlib.suppress(psycopg2.Error):  # a lost session took its lock with it
+                lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
 
 
 def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
