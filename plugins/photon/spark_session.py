@@ -42,6 +42,9 @@ def get_spark(
     if remote:
         # spark-submit sets MASTER for the Python it runs; a Connect client has no master of its own.
         os.environ.pop("MASTER", None)
+        # gRPC's core logs at INFO to stderr (e.g. "skipping fork() handlers" when the embedded registry starts its
+        # server beside the session's threads); its errors reach us as exceptions anyway. Read when gRPC starts.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         # Only the session's SQL settings: the JVM, the master and the UI are the server's.
         return (
             SparkSession.builder.remote(remote)

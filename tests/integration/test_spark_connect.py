@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,20 +209,27 @@ def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
 
 
 def test_relative_folders_mean_the_joiners_folders_not_the_servers(
-    tmp_path: Path, servers: dict[str, str], connect_server: tuple[subprocess.Popen[str], Path, int, Path]
+    tmp_path: Path, connect_server: tuple[subprocess.Popen[str], Path, int, Path]
 ) -> None:
-    """A newcomer's `--logs .photon/logs --out .photon/out`, pasted in the clone while the server runs elsewhere: the
-    server's Python workers have another working folder, so the joiner hands them absolute paths. Before, the batch
-    read nothing there and committed 0 clicks, and the audit counted every click lost."""
+    """A newcomer's paste, as the README has it: the embedded registry, `--logs .photon/logs --out .photon/out` in the
+    clone while the server runs elsewhere. The server's Python workers have another working folder, so the joiner
+    hands them absolute paths: before, the batch read nothing there and committed 0 clicks, and the audit counted
+    every click lost. And its stderr stays quiet: gRPC's core logged an INFO line there ("skipping fork()
+    handlers") when the embedded registry started its server beside the session's threads."""
     _, home, _, _ = connect_server
     work = tmp_path / "clone"
     make_logs(work / "logs", seconds=10)
-    env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
-    env |= {"PHOTON_REGISTRY_DSN": servers["main"]}
+    env = {k: v for k, v in os.environ.items() if k not in ("PHOTON_REGISTRY_DSN", "GRPC_VERBOSITY")}
+    env |= {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    init = subprocess.run(
+        [sys.executable, "-m", "photon", "registry", "init"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert init.returncode == 0, init.stdout + init.stderr
     args = ["join", "--dc", "dc-a", "--logs", "logs", "--out", "out", "--connect", "--until-caught-up", "--drain"]
     done = subprocess.run(
         [sys.executable, "-m", "photon", *args], cwd=work, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert not re.search(r"^[IWE]\d{4} ", done.stderr, re.MULTILINE), done.stderr[-3000:]  # gRPC's own log format
     report = audit(work / "out", manifest=work / "logs" / "_manifest")
     assert report.ok and report.duplicate_clicks == 0 and report.lost == 0, report.failures()
