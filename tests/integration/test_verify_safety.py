@@ -6,6 +6,7 @@ an idle joiner taken for a gone one. Every component runs as a login holding onl
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -217,16 +218,122 @@ def test_a_pass_that_stopped_leaves_the_lock_free_for_the_next_one(tmp_path: Pat
     Joiner("dc-a", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)
     held = tokened(roles.owner)
     assert held > 0
-    locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
     with autocommit(roles.owner) as conn, conn.cursor() as cur:
         for i in range(100):
             assert verify_and_recover(roles.verifier, out, logs, grace_s=0.0, dry_run=True).checked == held
-            cur.execute(locks)
-            assert cur.fetchone()[0] == 0, f"try {i}: a dry run returned with its lock still held"
+            assert lock_is_free(cur), f"try {i}: a dry run returned with its lock still held"
             with pytest.raises(EvidenceMissingError, match="nothing was changed"):
                 verify_and_recover(roles.verifier, tmp_path / f"typo{i}", logs, grace_s=0.0)
-            cur.execute(locks)
-            assert cur.fetchone()[0] == 0, f"try {i}: a refused pass returned with its lock still held"
+            assert lock_is_free(cur), f"try {i}: a refused pass returned with its lock still held"
+
+
+def lock_is_free(cur: Any) -> bool:
+    """The verifier's lock, tried from another session (advisory locks are per database) and let go at once."""
+    cur.execute("SELECT pg_try_advisory_lock(%s)", (verify._LOCK_ID,))
+    free = bool(cur.fetchone()[0])
+    if free:
+        cur.execute("SELECT pg_advisory_unlock(%s)", (verify._LOCK_ID,))
+    return free
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_second_pass_is_refused_while_a_pass_runs(
+    tmp_path: Path, roles: Roles, monkeypatch: pytest.MonkeyPatch, dry_run: bool
+) -> None:
+    """Found by review: the test above holds if the lock were never taken. A pass started inside another (at its
+    step 2, as a second Airflow task or an operator would, on a connection of its own) is refused and changes
+    nothing; the first goes on."""
+    logs = make_logs(tmp_path / "logs", ("dc-a",), seconds=1, rate=50)
+    real, inner = verify._tokened_rows, []
+
+    def with_a_second_pass(servers: Any) -> Any:
+        with pytest.raises(verify.VerifierBusyError, match="nothing was changed"):
+            verify_and_recover(roles.verifier, tmp_path / "out", logs, grace_s=0.0, dry_run=dry_run)
+        inner.append(True)
+        return real(servers)
+
+    monkeypatch.setattr(verify, "_tokened_rows", with_a_second_pass)
+    assert verify_and_recover(roles.verifier, tmp_path / "out", logs, grace_s=0.0, dry_run=dry_run).checked == 0
+    assert inner == [True]
+    with autocommit(roles.owner) as conn, conn.cursor() as cur:
+        assert lock_is_free(cur)
+
+
+def test_a_pass_that_loses_its_server_mid_pass_does_not_wait_on_it(
+    tmp_path: Path, roles: Roles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review of the first fix: a pass leaving on a registry error let go of its lock with one more round
+    trip on the lock's session; on a server that has stopped answering that waits forever (no client timeout), so
+    the pass never raised and never failed over. Here the lock session's backend is stopped (SIGSTOP) and the next
+    step finds the registry unreachable: the pass must give up within its failover budget, not hang."""
+    logs = make_logs(tmp_path / "logs", ("dc-a",), seconds=1, rate=50)
+    stopped: list[int] = []
+
+    def server_stops_answering(servers: Any) -> Any:
+        with autocommit(roles.owner) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pid FROM pg_stat_activity WHERE application_name = 'photon-verify'")
+            stopped.extend(pid for (pid,) in cur.fetchall())
+        assert stopped, "no verifier session found"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)  # the server's process for this session, on this machine
+        raise verify.RegistryUnavailableError("cannot reach registry server (the test stopped it)")
+
+    monkeypatch.setattr(verify, "_tokened_rows", server_stops_answering)
+    monkeypatch.setenv("PHOTON_REGISTRY_FAILOVER_S", "3")
+    result: list[BaseException] = []
+    worker = threading.Thread(
+        target=lambda: result.append(_raised(lambda: verify_and_recover(roles.verifier, tmp_path / "out", logs))),
+        daemon=True,
+    )
+    try:
+        worker.start()
+        worker.join(timeout=60)
+        hung = worker.is_alive()
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        worker.join(timeout=60)
+    assert not hung, "the pass waited on a server that had stopped answering"
+    # Retried within the budget: the stopped session still held the lock, so the retry is refused as busy.
+    assert result and isinstance(result[0], (verify.RegistryUnavailableError, verify.VerifierBusyError)), result
+
+
+def test_a_pass_whose_lock_session_died_is_run_again(
+    tmp_path: Path, roles: Roles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review of the first fix: the lock's session lost after its last use (another pass could take the
+    lock and run alongside from then on) must not end the pass as if it had held the lock throughout. Letting go
+    at the end fails on the lost session, and the pass is run again from step 1, as before that fix."""
+    logs = make_logs(tmp_path / "logs", ("dc-a",), seconds=1, rate=50)
+    real_clear, real_pass, passes = verify._clear_tokens, verify._verify_pass, []
+
+    def session_lost(servers: Any, committed: Any) -> None:
+        real_clear(servers, committed)
+        if len(passes) == 1:
+            with autocommit(roles.owner) as conn, conn.cursor() as cur:
+                cur.execute(
+                    "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
+                    " WHERE application_name = 'photon-verify'"
+                )
+
+    def counted(*args: Any) -> Any:
+        passes.append(True)
+        return real_pass(*args)
+
+    monkeypatch.setattr(verify, "_clear_tokens", session_lost)
+    monkeypatch.setattr(verify, "_verify_pass", counted)
+    assert verify_and_recover(roles.verifier, tmp_path / "out", logs, grace_s=0.0).checked == 0
+    assert len(passes) == 2
+    with autocommit(roles.owner) as conn, conn.cursor() as cur:
+        assert lock_is_free(cur)
+
+
+def _raised(fn: Callable[[], Any]) -> BaseException:
+    try:
+        fn()
+    except BaseException as exc:  # the test judges what came out
+        return exc
+    raise AssertionError("the pass returned")
 
 
 # -- 4. least privilege ----------------------------------------------------------------------------------------------

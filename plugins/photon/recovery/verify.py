@@ -63,7 +63,14 @@ from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
-from photon.pg import across_failover, autocommit, connect, sync_barrier
+from photon.pg import (
+    RegistryUnavailableError,
+    across_failover,
+    autocommit,
+    connect,
+    is_connection_error,
+    sync_barrier,
+)
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
@@ -352,18 +359,25 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
 
 @contextlib.contextmanager
 def _pass_lock(dsn: str) -> Iterator[Any]:
-    """A cursor on the session holding the verifier's lock, refused with VerifierBusyError if another pass holds it."""
+    """A cursor on the session holding the verifier's lock, refused with VerifierBusyError if another pass holds it.
+
+    The lock is let go on this session, not by closing it: the server frees a closed session's locks only once its
+    backend notices the close, and a pass started at once after (a retry) was refused as busy. A pass that ends well
+    must still hold its session to let go: if it was lost, the pass ran partly without the lock, and the connection
+    error makes across_failover run it again. A pass leaving on an error lets go only if the registry did not fail:
+    a round trip to a server that has stopped answering would block with no timeout, and its lock goes with it."""
     with autocommit(dsn, application_name="photon-verify") as lock, lock.cursor() as lcur:
         lcur.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
         if not lcur.fetchone()[0]:
             raise VerifierBusyError("another verifier pass is running (advisory lock held); nothing was changed")
         try:
             yield lcur
-        finally:
-            # Let go here, not by closing: the backend frees a session's locks only once it notices the close, and a
-            # pass started at once after one that stopped early (a retry) was refused as busy.
-            with contextlib.suppress(psycopg2.Error):  # a lost session took its lock with it
-                lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
+        except Exception as exc:
+            if not (is_connection_error(exc) or isinstance(exc, RegistryUnavailableError)):
+                with contextlib.suppress(psycopg2.Error):  # never in place of the pass's own error
+                    lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
+            raise
+        lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
 
 
 def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
