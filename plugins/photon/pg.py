@@ -70,6 +70,11 @@ def is_connection_error(exc: BaseException) -> bool:
     )
 
 
+def is_server_lost(exc: BaseException) -> bool:
+    """The registry server is lost or unreachable (a failover may bring it back), as opposed to a refused statement."""
+    return is_connection_error(exc) or isinstance(exc, RegistryUnavailableError)
+
+
 def is_transient(exc: BaseException) -> bool:
     return is_serialization_error(exc) or is_connection_error(exc)
 
@@ -140,7 +145,7 @@ def across_failover(fn: Callable[[], T], *, budget_s: float | None = None) -> T:
 
     retrying = Retrying(
         # A wrong DSN (RegistryDsnError) is neither: connect() tells it apart, and it fails at once.
-        retry=retry_if_exception(lambda e: is_connection_error(e) or isinstance(e, RegistryUnavailableError)),
+        retry=retry_if_exception(is_server_lost),
         wait=wait_random_exponential(multiplier=0.05, max=1.0),
         stop=stop,
         reraise=True,

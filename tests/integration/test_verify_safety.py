@@ -24,7 +24,7 @@ from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
 from photon.joiner.state import FencedError
 from photon.logs.parse import parse_file
-from photon.pg import autocommit
+from photon.pg import RegistryUnavailableError, autocommit
 from photon.recovery import verify
 from photon.recovery.verify import EvidenceMissingError, verify_and_recover
 from photon.registry.admin import init_registry
@@ -276,7 +276,7 @@ def test_a_pass_that_loses_its_server_mid_pass_does_not_wait_on_it(
         assert stopped, "no verifier session found"
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)  # the server's process for this session, on this machine
-        raise verify.RegistryUnavailableError("cannot reach registry server (the test stopped it)")
+        raise RegistryUnavailableError("cannot reach registry server (the test stopped it)")
 
     monkeypatch.setattr(verify, "_tokened_rows", server_stops_answering)
     monkeypatch.setenv("PHOTON_REGISTRY_FAILOVER_S", "3")
@@ -295,7 +295,7 @@ def test_a_pass_that_loses_its_server_mid_pass_does_not_wait_on_it(
         worker.join(timeout=60)
     assert not hung, "the pass waited on a server that had stopped answering"
     # Retried within the budget: the stopped session still held the lock, so the retry is refused as busy.
-    assert result and isinstance(result[0], (verify.RegistryUnavailableError, verify.VerifierBusyError)), result
+    assert result and isinstance(result[0], (RegistryUnavailableError, verify.VerifierBusyError)), result
 
 
 def test_a_pass_whose_lock_session_died_is_run_again(

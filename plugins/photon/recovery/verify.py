@@ -63,14 +63,7 @@ from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
-from photon.pg import (
-    RegistryUnavailableError,
-    across_failover,
-    autocommit,
-    connect,
-    is_connection_error,
-    sync_barrier,
-)
+from photon.pg import across_failover, autocommit, connect, is_server_lost, sync_barrier
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
@@ -373,7 +366,7 @@ def _pass_lock(dsn: str) -> Iterator[Any]:
         try:
             yield lcur
         except Exception as exc:
-            if not (is_connection_error(exc) or isinstance(exc, RegistryUnavailableError)):
+            if not is_server_lost(exc):
                 with contextlib.suppress(psycopg2.Error):  # never in place of the pass's own error
                     lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
             raise

@@ -49,6 +49,7 @@ from photon.pg import (
     check_replication,
     connect,
     is_connection_error,
+    is_server_lost,
     is_transient,
     sync_barrier,
 )
@@ -417,7 +418,7 @@ class IdRegistry:
 
         def stop(state: RetryCallState) -> bool:
             exc = state.outcome.exception() if state.outcome is not None else None
-            if exc is not None and (is_connection_error(exc) or isinstance(exc, RegistryUnavailableError)):
+            if exc is not None and is_server_lost(exc):
                 return state.attempt_number >= limit and (state.seconds_since_start or 0.0) >= self.options.failover_s
             return state.attempt_number >= limit
 

@@ -53,6 +53,7 @@ from photon.pg import (
     autocommit,
     connect,
     is_connection_error,
+    is_server_lost,
     sync_barrier,
 )
 from photon.registry.admin import _check_placement, _ordered, server_clock_us
@@ -241,7 +242,7 @@ def activate(servers: Mapping[str, str], version: int, *, lock_timeout_s: float 
             _activate_once(servers, version, lock_timeout_s)
             return
         except (psycopg2.Error, RegistryUnavailableError) as exc:
-            retry = isinstance(exc, RegistryUnavailableError) or is_connection_error(exc)
+            retry = is_server_lost(exc)
             if isinstance(exc, psycopg2.Error) and not (retry or exc.pgcode == LOCK_NOT_AVAILABLE):
                 raise _error(exc) from exc
             # Then _activate_once again, which twice is once: on main an active v goes straight to 3d, and a
