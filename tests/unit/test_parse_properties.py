@@ -495,3 +495,52 @@ def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tu
     assert (sure | ~ordinary).all()
     sliced = _sure_ids(pa.array(["x", *(i for i, _ in rows)], pa.string()).slice(1), ts)
     assert (sliced == sure).all()
+
+
+@SMALL
+@given(
+    lines=st.lists(
+        st.lists(
+            st.sampled_from([b"a", b"{}", "é".encode(), "😀".encode(), *(b for b in HOSTILE_BYTES if b"\n" not in b)])
+        ).map(b"".join),
+        max_size=300,
+    ),
+    fan_out=st.integers(2, 5),
+    by_line=st.integers(1, 70),
+    torn=st.booleans(),
+)
+def test_the_utf8_check_finds_exactly_the_lines_pythons_decoder_refuses(
+    lines: list[bytes], fan_out: int, by_line: int, torn: bool
+) -> None:
+    """Per line, the fast UTF-8 check (a whole file at once, a failing range cut into parts, a few lines decided
+    one by one) says invalid exactly where Python's decoder raises: whatever the bad lines' number and places, the
+    cut's fan-out and where it stops. With the defaults, files of at most 64 lines never leave the first check or
+    the line-by-line step: small fan-outs and thresholds take these files through every level."""
+    import numpy as np
+
+    from photon.logs import parse
+
+    content = b"".join(line + b"\n" for line in lines)
+    if torn and lines and lines[-1]:
+        content = content[:-1]  # a torn last line: no newline after it
+    buf = np.frombuffer(content, np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    if content and buf[-1] != 10:
+        ends = np.append(ends, len(content))
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)[: len(ends)]  # no line in an empty file
+    want = np.array([_refused_by_python(line) for line in lines], bool)
+    saved = parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE
+    try:
+        parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE = fan_out, by_line
+        got = parse._invalid_utf8(content, starts, ends)
+    finally:
+        parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE = saved
+    assert got.tolist() == want.tolist()
+
+
+def _refused_by_python(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
