@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -263,3 +264,33 @@ def test_what_each_bad_line_becomes() -> None:
     good, bad = _outcome(b"\n".join(lines) + b"\n", "clicks")
     assert dict(bad) == {i + 1: reason for i, reason in enumerate(expected) if reason is not None}
     assert len(good) == expected.count(None)
+
+
+def test_a_process_forked_after_a_parse_parses_too() -> None:
+    """PySpark's daemon forks its Python workers, and a worker may fork in turn: a parse in a child of a process that
+    parsed (Polars' thread pool started in the parent, not copied by the fork) must not hang. Polars' expression
+    engine did (a regex match of the ids, at c2e5780); the UTF-8 check's cast does not."""
+    import os
+    import signal
+
+    lines = [C.replace(b'"a1"', b'"\xff"') if i % 97 == 0 else C for i in range(5000)]
+    content = b"\n".join([*lines, Q.replace(b'"tea"', b'"t\xc3\xa9a"')]) + b"\n"  # 52 bad UTF-8, 1 not a click
+    parse_file("parent.jsonl", content, "clicks")
+    pid = os.fork()
+    if pid == 0:  # the child: parse, and leave with 0 only if it got the same answer
+        signal.alarm(60)
+        try:
+            good, bad = parse_file("child.jsonl", content, "clicks")
+            os._exit(0 if (good.num_rows, bad.num_rows) == (4948, 53) else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 90
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if done == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child's parse hung")
+    code = os.waitstatus_to_exitcode(done[1])
+    assert code != -signal.SIGALRM, "the forked child's parse hung (stopped by its 60 s alarm)"
+    assert code == 0, code
