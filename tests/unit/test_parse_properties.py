@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +59,34 @@ BIG = settings(EXAMPLES, max_examples=50 if PROFILE == "parse" else 2_000)
 SMALL = settings(EXAMPLES, max_examples=2_000 if PROFILE == "parse" else 100_000)  # a single function, no files
 
 KINDS = ("queries", "clicks")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def arrow_reads_every_run() -> Iterator[None]:
+    """These files are a few lines each: by default, runs that short skip Arrow for the reference path, and the
+    properties would hold the reference equal to itself. Here every run of lines goes to Arrow first."""
+    from photon.logs import parse
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parse, "MIN_ARROW_LINES", 1)
+        yield
+
+
+def test_the_properties_files_reach_arrow() -> None:
+    """A one-line file goes through Arrow's reader here: the properties below test the fast path, not only the
+    reference."""
+    import pyarrow.json as pj
+
+    from photon.logs import parse
+
+    calls = []
+    real = pj.read_json
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parse.pj, "read_json", lambda *a, **k: calls.append(1) or real(*a, **k))
+        good, _ = parse_file(NAME, C + b"\n", "clicks")
+    assert calls and good.num_rows == 1
+
+
 NAME = "10.9.8.7-42-1.jsonl"
 
 
