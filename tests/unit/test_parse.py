@@ -8,7 +8,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from photon.logs import parse
 from photon.logs.parse import CHUNK_LINES, CLICK_FIELDS, MAX_DEPTH, QUERY_FIELDS, parse_file, parse_file_by_line
 from photon.logs.schemas import MAX_LINE_BYTES
 from photon.tools.generator import GeneratorSettings, generate
@@ -79,11 +78,18 @@ def _same(name: str, content: bytes, kind: str) -> tuple[int, int]:
     return good.num_rows, bad.num_rows
 
 
+@pytest.mark.parametrize("after", [0, 1, 5])
+def test_a_line_of_two_objects_before_a_refused_one(after: int) -> None:
+    """A line holding two objects gives Arrow's stream one row too many, so the row a refusal names is the line after
+    the one refused, or past the block's last line: every line still ends up an event or a quarantine record."""
+    wrong_type = C.replace(b'"ts_us": 1763700000000009', b'"ts_us": "1763700000000009"')
+    content = b"\n".join([C, C + b" " + C, C, wrong_type] + [C] * after) + b"\n"
+    good, bad = _same("two.jsonl", content, "clicks")
+    assert (good, bad) == (2 + after, 2)
+
+
 @pytest.mark.parametrize(("kind", "line", "cases"), [("queries", Q, QUERY_CASES), ("clicks", C, CLICK_CASES)])
-def test_odd_lines_between_good_ones(
-    kind: str, line: bytes, cases: list[bytes], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(parse, "MIN_ARROW_LINES", 1)  # the short files below through Arrow too, not only the reference
+def test_odd_lines_between_good_ones(kind: str, line: bytes, cases: list[bytes]) -> None:
     for i, case in enumerate(cases):
         # One odd line in the middle of a chunk, and at the very start and end of a file.
         for before, after in ((CHUNK_LINES // 2, CHUNK_LINES), (0, 3), (3, 0)):

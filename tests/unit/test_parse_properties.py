@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from photon.logs import parse
 from photon.logs.parse import (
     CLICK_FIELDS,
     MAX_DEPTH,
@@ -61,30 +61,28 @@ SMALL = settings(EXAMPLES, max_examples=2_000 if PROFILE == "parse" else 100_000
 KINDS = ("queries", "clicks")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def arrow_reads_every_run() -> Iterator[None]:
-    """These files are a few lines each: by default, runs that short skip Arrow for the reference path, and the
-    properties would hold the reference equal to itself. Here every run of lines goes to Arrow first."""
-    from photon.logs import parse
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parse, "MIN_ARROW_LINES", 1)
-        yield
+# Arrow's stream in blocks of these many bytes: the default; a few lines a block, so that the properties' short files
+# span several and a refusal lands in a later block than the first; less than a line, so that every stream gives up
+# and the lines go in chunks.
+BLOCKS = (None, 512, 64)
 
 
 def test_the_properties_files_reach_arrow() -> None:
-    """A one-line file goes through Arrow's reader here: the properties below test the fast path, not only the
-    reference."""
+    """A one-line file goes through Arrow's reader, streamed at the default block and in a chunk at the smallest:
+    the properties below test the fast path, not only the reference."""
     import pyarrow.json as pj
 
     from photon.logs import parse
 
-    calls = []
-    real = pj.read_json
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parse.pj, "read_json", lambda *a, **k: calls.append(1) or real(*a, **k))
-        good, _ = parse_file(NAME, C + b"\n", "clicks")
-    assert calls and good.num_rows == 1
+    for block, reader in ((None, "open_json"), (BLOCKS[-1], "read_json")):
+        calls: list[int] = []
+        real = getattr(pj, reader)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(parse.pj, reader, lambda *a, real=real, calls=calls, **k: calls.append(1) or real(*a, **k))
+            if block:
+                mp.setattr(parse, "STREAM_BLOCK", block)
+            good, _ = parse_file(NAME, C + b"\n", "clicks")
+        assert calls and good.num_rows == 1, reader
 
 
 NAME = "10.9.8.7-42-1.jsonl"
@@ -106,6 +104,14 @@ def _key(event: dict[str, Any]) -> str:
 
 def check(content: bytes, kind: str) -> None:
     """Both paths total, every line accounted for once, and the two paths agreeing line for line."""
+    for block in BLOCKS:
+        with pytest.MonkeyPatch.context() as mp:
+            if block:
+                mp.setattr(parse, "STREAM_BLOCK", block)
+            _check(content, kind)
+
+
+def _check(content: bytes, kind: str) -> None:
     schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
     good, bad = parse_file(NAME, content, kind)
     ref_good, ref_bad = parse_file_by_line(NAME, content, kind)
@@ -535,16 +541,17 @@ def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tu
         ).map(b"".join),
         max_size=300,
     ),
+    first_fan_out=st.integers(2, 20),
     fan_out=st.integers(2, 5),
     by_line=st.integers(1, 70),
     torn=st.booleans(),
 )
 def test_the_utf8_check_finds_exactly_the_lines_pythons_decoder_refuses(
-    lines: list[bytes], fan_out: int, by_line: int, torn: bool
+    lines: list[bytes], first_fan_out: int, fan_out: int, by_line: int, torn: bool
 ) -> None:
     """Per line, the fast UTF-8 check (a whole file at once, a failing range cut into parts, a few lines decided
     one by one) says invalid exactly where Python's decoder raises: whatever the bad lines' number and places, the
-    cut's fan-out and where it stops. With the defaults, files of at most 64 lines never leave the first check or
+    cuts' fan-outs and where they stop. With the defaults, files of at most 64 lines never leave the first check or
     the line-by-line step: small fan-outs and thresholds take these files through every level."""
     import numpy as np
 
@@ -559,12 +566,11 @@ def test_the_utf8_check_finds_exactly_the_lines_pythons_decoder_refuses(
         ends = np.append(ends, len(content))
     starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)[: len(ends)]  # no line in an empty file
     want = np.array([_refused_by_python(line) for line in lines], bool)
-    saved = parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE
-    try:
-        parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE = fan_out, by_line
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parse, "UTF8_FIRST_FAN_OUT", first_fan_out)
+        mp.setattr(parse, "UTF8_FAN_OUT", fan_out)
+        mp.setattr(parse, "UTF8_BY_LINE", by_line)
         got = parse._invalid_utf8(content, starts, ends)
-    finally:
-        parse.UTF8_FAN_OUT, parse.UTF8_BY_LINE = saved
     assert got.tolist() == want.tolist()
 
 

@@ -5,10 +5,10 @@ Parsing is total: every line becomes an event or a quarantine record with a reas
 that makes the reference raise anything unforeseen is quarantined as "unexpected parser error: <type>").
 
 Two paths give the same answer. ``parse_line``-level functions (``parse_query``, ``parse_click``) are the reference:
-plain ``json`` and explicit checks, with the reason a line is malformed. ``parse_file`` runs Arrow's JSON reader over
-chunks of lines and screens the result with vectorised checks; a chunk Arrow refuses, whose row count differs from
-its line count, or with an empty or over-long line, and every row the screen doubts, go through the reference path
-line by line. Arrow is strict (a number where a string belongs, a float or an integer outside int64 for an integer,
+plain ``json`` and explicit checks, with the reason a line is malformed. ``parse_file`` streams the file's lines
+through Arrow's JSON reader (``_Lines``) and screens the result with vectorised checks; a line Arrow refuses, a block
+whose row count differs from its line count, an empty or over-long line, and every row the screen doubts go through
+the reference path line by line. Arrow is strict (a number where a string belongs, a float or an integer outside int64 for an integer,
 or a duplicate key fail the chunk), so a row it accepts and the screen passes is one the reference accepts with the
 same values. Where Arrow is laxer than the reference, a vectorised byte screen sends the line to the reference before
 Arrow sees it (``_suspect_lines``, ``_invalid_utf8``): bytes that are not UTF-8 (Arrow copies them into its strings
@@ -244,11 +244,10 @@ def _good_table(rows: list[dict[str, Any]], kind: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=QUERY_FIELDS if kind == "queries" else CLICK_FIELDS)
 
 
-CHUNK_LINES = 2048  # lines per Arrow read; a refused chunk is split where Arrow says, or halved, and read again
-SUB_CHUNK_LINES = 8  # below this, a refused range goes line by line
-# Fewer lines than this between two the byte screen doubts go to the reference path, not to a read of their own: a
-# call costs 90-130 us before Arrow reads a byte (a file with every other line malformed made one call a good line).
-MIN_ARROW_LINES = 8
+STREAM_BLOCK = 1 << 18  # bytes per block of Arrow's streaming reader: a refused block's lines before the culprit are
+# read twice, a block costs some fixed work
+CHUNK_LINES = 2048  # lines per Arrow read where the stream cannot vouch for its rows (see _Lines)
+SUB_CHUNK_LINES = 8  # below this, a range refused without a named line goes line by line
 _READ = pj.ReadOptions(use_threads=False, block_size=1 << 26)
 _PARSE = {
     kind: pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore", newlines_in_values=False)
@@ -390,12 +389,15 @@ def _ends_in_brace(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return (last == 125) | ((last == 13) & (buf[np.maximum(ends - 2, 0)] == 125))
 
 
-UTF8_FAN_OUT = 4  # a range of lines that fails is cut into this many parts, each validated again
+# A file that fails is cut into UTF8_FIRST_FAN_OUT parts, and a part that fails into UTF8_FAN_OUT, each validated
+# again: a cast costs about 15 us besides its bytes, and a bad line or two are usual.
+UTF8_FIRST_FAN_OUT = 16
+UTF8_FAN_OUT = 4
 UTF8_BY_LINE = 64  # a failing range this short is decided line by line
 
 
 def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Per line: not valid UTF-8. Every line is validated at once; a range of lines that fails is cut into parts
+    """Per line: not valid UTF-8. The whole file is validated at once; a range of lines that fails is cut into parts
     validated again, down to a few lines that Python's decoder decides one by one. A bad line costs a few passes
     over ever shorter ranges around it. Polars validates with simdutf8: over ten times as fast as Arrow's validator
     on multi-byte text. (A cast only: Polars' expressions hang in a process forked after they ran.)"""
@@ -407,15 +409,15 @@ def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.nd
     whole = pa.py_buffer(content)
     offsets = np.append(starts, ends[-1]).astype(np.int64)  # a line and its newline
 
-    def check(a: int, b: int) -> None:
-        # The range's lines as an array over their own bytes only: a cast of a slice of an array over the whole
-        # file validates all of its bytes (Polars checks the buffers first), so a file with many bad lines would
-        # cost a pass over all of it for every range tried.
+    def check(a: int, b: int, fan_out: int) -> None:
+        # The range's lines as one value over their own bytes only: whole lines are valid together exactly when
+        # each is (a newline is never part of a multi-byte character), and one value costs a fraction of a value a
+        # line; a cast of a slice of an array over the whole file would validate all of its bytes each time.
         lo, hi = int(offsets[a]), int(offsets[b])
-        at = pa.py_buffer(offsets[a : b + 1] - lo)
-        lines = pa.Array.from_buffers(pa.large_binary(), b - a, [None, at, whole.slice(lo, hi - lo)])
+        at = pa.py_buffer(np.array([0, hi - lo], np.int64))
+        one = pa.Array.from_buffers(pa.large_binary(), 1, [None, at, whole.slice(lo, hi - lo)])
         try:
-            pl.from_arrow(lines).cast(pl.String)
+            pl.Series(one).cast(pl.String)
             return
         except pl.exceptions.PolarsError:
             pass
@@ -426,12 +428,122 @@ def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.nd
                 except UnicodeDecodeError:
                     bad[i] = True
             return
-        step = -(-(b - a) // UTF8_FAN_OUT)
+        step = -(-(b - a) // fan_out)
         for part in range(a, b, step):
-            check(part, min(part + step, b))
+            check(part, min(part + step, b), UTF8_FAN_OUT)
 
-    check(0, len(starts))
+    check(0, len(starts), UTF8_FIRST_FAN_OUT)
     return bad
+
+
+class _Lines:
+    """Arrow's reading of the lines ``keep`` of a file (indices; each ends in a newline), as one buffer of those lines
+    alone, in order. ``read`` streams it in blocks of ``STREAM_BLOCK`` bytes: Arrow's streaming reader cuts each block
+    at its last newline, so after block i it has read exactly the lines that end within the first (i + 1) *
+    ``STREAM_BLOCK`` bytes. Each block's rows are checked against that count (a line holding two objects makes one
+    more row: alignment lost), and a block Arrow refuses names the line it choked on: the lines before it are read
+    again alone, it goes to the reference path, and streaming goes on after it. Whatever the stream cannot vouch for
+    (a count that differs, an error naming no line, a line longer than a block) is read in chunks of
+    ``CHUNK_LINES`` lines, each checked the same way, halved on a refusal naming no line. Results: ``parsed``
+    (Arrow's rows and the file line of each) and ``doubt`` (file lines for the reference path)."""
+
+    def __init__(self, content: bytes, starts: np.ndarray, ends: np.ndarray, keep: np.ndarray, kind: str) -> None:
+        self.keep, self.kind = keep, kind
+        self.parsed: list[tuple[pa.Table, np.ndarray]] = []
+        self.doubt: list[int] = []
+        # Runs of consecutive kept lines are contiguous bytes: the buffer is one slice of the file when no line is
+        # left out, else a join of a few slices.
+        self.offsets = np.concatenate(([0], np.cumsum(ends[keep] + 1 - starts[keep])))  # of each in the buffer
+        self.buffer = pa.py_buffer(b"")
+        if not len(keep):
+            return
+        gaps = np.flatnonzero(np.diff(keep) != 1)
+        firsts = keep[np.concatenate(([0], gaps + 1))].tolist()
+        lasts = keep[np.concatenate((gaps, [len(keep) - 1]))].tolist()
+        if len(firsts) == 1:
+            lo, hi = int(starts[firsts[0]]), int(ends[lasts[0]]) + 1
+            self.buffer = pa.py_buffer(content).slice(lo, hi - lo)
+        else:
+            view = memoryview(content)
+            self.buffer = pa.py_buffer(
+                b"".join(view[int(starts[f]) : int(ends[t]) + 1] for f, t in zip(firsts, lasts, strict=True))
+            )
+
+    def _rows(self, t: pa.Table, first: int) -> None:
+        self.parsed.append((t, self.keep[first : first + t.num_rows]))
+
+    def read(self) -> None:
+        x = 0
+        while x < len(self.keep):
+            x = self._stream(x)
+
+    def _stream(self, x: int) -> int:
+        """Stream from kept line ``x``; returns where the next stream starts (the end when done)."""
+        n = len(self.keep)
+        block = STREAM_BLOCK
+        done = x  # lines read and checked
+        # Lines read after each block: those ending within the blocks so far.
+        after = (self.offsets[x + 1 :] - self.offsets[x]).astype(np.int64)
+        opts = pj.ReadOptions(use_threads=False, block_size=block)
+        source = pa.BufferReader(self.buffer.slice(int(self.offsets[x])))
+        i = 0
+        try:
+            for batch in pj.open_json(source, read_options=opts, parse_options=_PARSE[self.kind]):
+                expect = x + int(np.searchsorted(after, (i + 1) * block, side="right"))
+                if done + batch.num_rows != expect:
+                    self._chunks(done, n)
+                    return n
+                self._rows(pa.Table.from_batches([batch]), done)
+                done = expect
+                i += 1
+        except pa.ArrowInvalid as exc:
+            m = _ROW.search(str(exc))
+            expect = x + int(np.searchsorted(after, (i + 1) * block, side="right"))
+            culprit = done + int(m.group(1)) if m else expect
+            if culprit >= expect:  # no line named, or one outside the block
+                self._chunks(done, n)
+                return n
+            self._run(done, culprit)
+            self.doubt.append(int(self.keep[culprit]))
+            return culprit + 1
+        if done != n:
+            self._chunks(done, n)
+        return n
+
+    def _arrow(self, a: int, b: int) -> tuple[pa.Table | None, int | None]:
+        """Arrow's reading of kept lines [a, b), or None and, where Arrow names it, the line it choked on."""
+        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        try:
+            t = pj.read_json(
+                pa.BufferReader(self.buffer.slice(lo, hi - lo)), read_options=_READ, parse_options=_PARSE[self.kind]
+            )
+        except pa.ArrowInvalid as exc:
+            m = _ROW.search(str(exc))
+            return None, (a + int(m.group(1)) if m and a + int(m.group(1)) < b else None)
+        return (t, None) if t.num_rows == b - a else (None, None)  # e.g. two objects on one line
+
+    def _chunks(self, a: int, b: int) -> None:
+        for lo in range(a, b, CHUNK_LINES):
+            self._run(lo, min(lo + CHUNK_LINES, b))
+
+    def _run(self, a: int, b: int) -> None:
+        while a < b:
+            t, culprit = self._arrow(a, b)
+            if t is not None:
+                self._rows(t, a)
+                return
+            if culprit is not None:  # Arrow named the line: the lines before it, it alone, then the rest
+                if culprit > a:
+                    self._run(a, culprit)
+                self.doubt.append(int(self.keep[culprit]))
+                a = culprit + 1
+            elif b - a <= SUB_CHUNK_LINES:
+                self.doubt.extend(self.keep[a:b].tolist())
+                return
+            else:
+                mid = (a + b) // 2
+                self._run(a, mid)
+                a = mid
 
 
 def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
@@ -454,73 +566,35 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
         ends = np.append(ends, len(content))
     starts = np.concatenate(([0], ends[:-1] + 1))
     lengths = ends - starts
-    whole = pa.py_buffer(content)
-    parsed: list[tuple[pa.Table, int]] = []  # Arrow's rows for lines [first, first + rows)
-    doubt: list[int] = []  # lines for the reference path
-
-    def arrow(a: int, b: int) -> tuple[pa.Table | None, int | None]:
-        """Arrow's reading of lines [a, b), or None and, where Arrow names it, the line it choked on."""
-        lo, hi = int(starts[a]), int(min(ends[b - 1] + 1, len(content)))
-        try:
-            t = pj.read_json(pa.BufferReader(whole[lo:hi]), read_options=_READ, parse_options=_PARSE[kind])
-        except pa.ArrowInvalid as exc:
-            m = _ROW.search(str(exc))
-            return None, (a + int(m.group(1)) if m and a + int(m.group(1)) < b else None)
-        return (t, None) if t.num_rows == b - a else (None, None)  # e.g. two objects on one line
-
-    def run(a: int, b: int) -> None:
-        while a < b:
-            t, culprit = arrow(a, b)
-            if t is not None:
-                parsed.append((t, a))
-                return
-            if culprit is not None:  # Arrow named the line: the lines before it, it alone, then the rest
-                if culprit > a:
-                    run(a, culprit)
-                doubt.append(culprit)
-                a = culprit + 1
-            elif b - a <= SUB_CHUNK_LINES:
-                doubt.extend(range(a, b))
-                return
-            else:
-                mid = (a + b) // 2
-                run(a, mid)
-                a = mid
-
     # Lines that are empty, too long or do not start with "{" never reach Arrow: it skips blank lines, and
     # pyarrow 26 crashes (SIGSEGV) on a nested explicit schema when the first value it reads is a top-level null.
     # Nor do lines Arrow might read otherwise than the reference (it does not check UTF-8 inside strings), nor lines
     # certainly malformed (not ending in "}", blanks aside: a truncated line, say), each of which would make Arrow
-    # refuse a whole chunk, and the chunk be read again around it.
+    # refuse a block, and the block be read again around it; nor a torn last line (no newline after it), so that
+    # every line Arrow reads ends in one and its blocks end where _Lines.read predicts.
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
-    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{"))
+    odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | (ends >= len(content))
     odd |= _suspect_lines(buf, starts, ends, bits, letters) | ~_ends_in_brace(buf, ends)
     odd |= _invalid_utf8(content, starts, ends)
-    doubt.extend(np.flatnonzero(odd).tolist())
-    edges = np.flatnonzero(odd)
-    a = 0
-    for stop in [*edges.tolist(), len(starts)]:
-        if stop - a < MIN_ARROW_LINES:
-            doubt.extend(range(a, stop))
-        else:
-            for lo in range(a, stop, CHUNK_LINES):
-                run(lo, min(lo + CHUNK_LINES, stop))
-        a = stop + 1
+    lines = _Lines(content, starts, ends, np.flatnonzero(~odd), kind)
+    lines.read()
+    parsed = lines.parsed
+    doubt = [*np.flatnonzero(odd).tolist(), *lines.doubt]
 
     schema = QUERY_FIELDS if kind == "queries" else CLICK_FIELDS
     pieces: list[pa.Table] = []
     located = [np.zeros(0, np.int64)]  # the line of each event row
     if parsed:
         chunks = [t.select(schema.names).cast(schema) for t, _ in parsed]
-        lines = np.concatenate([np.arange(first, first + t.num_rows) for t, first in parsed])
+        at_line = np.concatenate([at for _, at in parsed])
         ok = _screen(pa.concat_tables(chunks), kind)
         at = 0
         for t in chunks:  # a filter copies every column: only the chunks with a doubtful row
             keep = ok[at : at + t.num_rows]
             at += t.num_rows
             pieces.append(t if keep.all() else t.filter(pa.array(keep)))
-        located.append(lines[ok])
-        doubt.extend(lines[~ok].tolist())
+        located.append(at_line[ok])
+        doubt.extend(at_line[~ok].tolist())
     doubt.sort()
     good, bad = _by_line_numbers(name, kind, [content[starts[i] : ends[i]] for i in doubt], doubt)
     pieces.append(_good_table(good, kind))
