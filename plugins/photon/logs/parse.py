@@ -585,7 +585,7 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
     pieces: list[pa.Table] = []
     located = [np.zeros(0, np.int64)]  # the line of each event row
     if parsed:
-        chunks = [t.select(schema.names).cast(schema) for t, _ in parsed]
+        chunks = [t if t.schema == schema else t.select(schema.names).cast(schema) for t, _ in parsed]
         at_line = np.concatenate([at for _, at in parsed])
         ok = _screen(pa.concat_tables(chunks), kind)
         at = 0
