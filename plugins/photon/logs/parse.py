@@ -8,14 +8,14 @@ Two paths give the same answer. ``parse_line``-level functions (``parse_query``,
 plain ``json`` and explicit checks, with the reason a line is malformed. ``parse_file`` streams the file's lines
 through Arrow's JSON reader (``_Lines``) and screens the result with vectorised checks; a line Arrow refuses, a block
 whose row count differs from its line count, an empty or over-long line, and every row the screen doubts go through
-the reference path line by line. Arrow is strict (a number where a string belongs, a float or an integer outside int64 for an integer,
-or a duplicate key fail the chunk), so a row it accepts and the screen passes is one the reference accepts with the
-same values. Where Arrow is laxer than the reference, a vectorised byte screen sends the line to the reference before
-Arrow sees it (``_suspect_lines``, ``_invalid_utf8``): bytes that are not UTF-8 (Arrow copies them into its strings
-unchecked), nesting deeper than ``MAX_DEPTH`` and ``NaN``/``Infinity`` (and Arrow's own ``Inf``, ``-NaN``) in fields
-nobody reads, which Arrow skips, and a line that may go on into the next (Arrow reads one object across lines, and two
-on one line, so the row count alone does not prove that rows and lines match). Quarantine records always come from the
-reference. Tests hold the two paths equal on every malformed kind the generator makes, on every kind EVENTS.md lists,
+the reference path line by line. Arrow is strict (a number where a string belongs, a float or an integer outside
+int64 for an integer, or a duplicate key fail the block), so a row it accepts and the screen passes is one the
+reference accepts with the same values. Where Arrow is laxer than the reference, a vectorised byte screen sends the
+line to the reference before Arrow sees it (``_suspect_lines``, ``_invalid_utf8``): bytes that are not UTF-8 (Arrow
+copies them into its strings unchecked), nesting deeper than ``MAX_DEPTH`` and ``NaN``/``Infinity`` (and Arrow's own
+``Inf``, ``-NaN``) in fields nobody reads, which Arrow skips, and a line that may go on into the next (Arrow reads one
+object across lines, and two on one line, so the row count alone does not prove that rows and lines match).
+Quarantine records always come from the reference. Tests hold the two paths equal on every malformed kind the generator makes, on every kind EVENTS.md lists,
 and on Hypothesis's random lines (tests/unit/test_parse_properties.py).
 """
 
