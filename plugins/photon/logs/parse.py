@@ -15,8 +15,9 @@ line to the reference before Arrow sees it (``_suspect_lines``, ``_invalid_utf8`
 copies them into its strings unchecked), nesting deeper than ``MAX_DEPTH`` and ``NaN``/``Infinity`` (and Arrow's own
 ``Inf``, ``-NaN``) in fields nobody reads, which Arrow skips, and a line that may go on into the next (Arrow reads one
 object across lines, and two on one line, so the row count alone does not prove that rows and lines match).
-Quarantine records always come from the reference. Tests hold the two paths equal on every malformed kind the generator makes, on every kind EVENTS.md lists,
-and on Hypothesis's random lines (tests/unit/test_parse_properties.py).
+Quarantine records always come from the reference. Tests hold the two paths equal on every malformed kind the
+generator makes, on every kind EVENTS.md lists, and on Hypothesis's random lines
+(tests/unit/test_parse_properties.py).
 """
 
 from __future__ import annotations
