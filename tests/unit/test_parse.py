@@ -304,3 +304,34 @@ def test_a_process_forked_after_a_parse_parses_too() -> None:
     code = os.waitstatus_to_exitcode(done[1])
     assert code != -signal.SIGALRM, "the forked child's parse hung (stopped by its 60 s alarm)"
     assert code == 0, code
+
+
+@pytest.mark.parametrize("stream_block", [None, 1024])
+def test_a_carriage_return_inside_a_line_never_starts_one_of_arrows_blocks(stream_block: int | None) -> None:
+    """Arrow's chunker cuts its blocks at a CR as well as at a newline, so a line holding ``\\rnull\\r`` could start a
+    block with a top-level null, on which pyarrow 26 crashes (SIGSEGV) with a nested schema. Found by a reviewer with
+    a 67 MB file (a chunk longer than a 64 MiB read); here Arrow's block is made 1,024 bytes so that a short file
+    reaches the same cut. The parse runs in a child process: a crash must fail the test, not the test run."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import pyarrow.json as pj
+from photon.logs import parse
+from tests.unit.test_parse import Q
+parse._READ = pj.ReadOptions(use_threads=False, block_size=1024)
+if {stream_block!r}:
+    parse.STREAM_BLOCK = {stream_block!r}
+pad = b'{{"pad": "' + b"x" * 1012 + b'"}}'  # 1,023 bytes: the CR after it ends a block
+content = pad + b"\\rnull\\r" + Q + b"\\n" + Q + b"\\n"
+good, bad = parse.parse_file("cr.jsonl", content, "queries")
+ref_good, ref_bad = parse.parse_file_by_line("cr.jsonl", content, "queries")
+assert bad.equals(ref_bad) and good.to_pylist() == ref_good.to_pylist(), (good, bad)
+print(good.num_rows, bad.num_rows)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-c", code]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["1", "1"]

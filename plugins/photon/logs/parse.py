@@ -572,10 +572,15 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
     # Nor do lines Arrow might read otherwise than the reference (it does not check UTF-8 inside strings), nor lines
     # certainly malformed (not ending in "}", blanks aside: a truncated line, say), each of which would make Arrow
     # refuse a block, and the block be read again around it; nor a torn last line (no newline after it), so that
-    # every line Arrow reads ends in one and its blocks end where _Lines.read predicts.
+    # every line Arrow reads ends in one and its blocks end where _Lines.read predicts; nor a line with a CR inside,
+    # where Arrow's chunker may end a block and the next start with a top-level null (the crash above).
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
     odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | (ends >= len(content))
     odd |= _suspect_lines(buf, starts, ends, bits, letters) | ~_ends_in_brace(buf, ends)
+    if b"\r" in content:  # Arrow cuts its blocks at a CR too: a line may hold one only right before its newline
+        cr = np.flatnonzero(buf == 13)
+        cr = cr[buf[np.minimum(cr + 1, len(buf) - 1)] != 10]
+        odd[np.searchsorted(starts, cr, side="right") - 1] = True
     odd |= _invalid_utf8(content, starts, ends)
     lines = _Lines(content, starts, ends, np.flatnonzero(~odd), kind)
     lines.read()
