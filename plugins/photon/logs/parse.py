@@ -249,6 +249,7 @@ STREAM_BLOCK = 1 << 18  # bytes per block of Arrow's streaming reader: a refused
 # read twice, a block costs some fixed work
 CHUNK_LINES = 2048  # lines per Arrow read where the stream cannot vouch for its rows (see _Lines)
 SUB_CHUNK_LINES = 8  # below this, a range refused without a named line goes line by line
+MAX_REFUSALS, REFUSALS_PER_LINES = 64, 256  # refusals a file may cost: 64, and one per 256 lines (see _Lines)
 _READ = pj.ReadOptions(use_threads=False, block_size=1 << 26)
 _PARSE = {
     kind: pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore", newlines_in_values=False)
@@ -452,6 +453,9 @@ class _Lines:
         self.keep, self.kind = keep, kind
         self.parsed: list[tuple[pa.Table, np.ndarray]] = []
         self.doubt: list[int] = []
+        # Each refusal costs a read again of up to a block; past this many, the rest goes to the reference path, so
+        # that a file of lines Arrow refuses (every other one, say) costs time in proportion to its size.
+        self.refusals_left = MAX_REFUSALS + len(keep) // REFUSALS_PER_LINES
         # Runs of consecutive kept lines are contiguous bytes: the buffer is one slice of the file when no line is
         # left out, else a join of a few slices.
         self.offsets = np.concatenate(([0], np.cumsum(ends[keep] + 1 - starts[keep])))  # of each in the buffer
@@ -481,16 +485,20 @@ class _Lines:
     def _stream(self, x: int) -> int:
         """Stream from kept line ``x``; returns where the next stream starts (the end when done)."""
         n = len(self.keep)
+        if self.refusals_left <= 0:
+            self.doubt.extend(self.keep[x:].tolist())
+            return n
         block = STREAM_BLOCK
         done = x  # lines read and checked
-        # Lines read after each block: those ending within the blocks so far.
-        after = (self.offsets[x + 1 :] - self.offsets[x]).astype(np.int64)
+        ends = self.offsets[1:]  # where each kept line ends (after its newline) in the buffer
+        start = int(self.offsets[x])
         opts = pj.ReadOptions(use_threads=False, block_size=block)
         source = pa.BufferReader(self.buffer.slice(int(self.offsets[x])))
         i = 0
         try:
             for batch in pj.open_json(source, read_options=opts, parse_options=_PARSE[self.kind]):
-                expect = x + int(np.searchsorted(after, (i + 1) * block, side="right"))
+                # Lines read after block i: those ending within the first (i + 1) * block bytes.
+                expect = int(np.searchsorted(ends, start + (i + 1) * block, side="right"))
                 if done + batch.num_rows != expect:
                     self._chunks(done, n)
                     return n
@@ -499,11 +507,12 @@ class _Lines:
                 i += 1
         except pa.ArrowInvalid as exc:
             m = _ROW.search(str(exc))
-            expect = x + int(np.searchsorted(after, (i + 1) * block, side="right"))
+            expect = int(np.searchsorted(ends, start + (i + 1) * block, side="right"))
             culprit = done + int(m.group(1)) if m else expect
             if culprit >= expect:  # no line named, or one outside the block
                 self._chunks(done, n)
                 return n
+            self.refusals_left -= 1
             self._run(done, culprit)
             self.doubt.append(int(self.keep[culprit]))
             return culprit + 1
@@ -529,10 +538,14 @@ class _Lines:
 
     def _run(self, a: int, b: int) -> None:
         while a < b:
+            if self.refusals_left <= 0:
+                self.doubt.extend(self.keep[a:b].tolist())
+                return
             t, culprit = self._arrow(a, b)
             if t is not None:
                 self._rows(t, a)
                 return
+            self.refusals_left -= 1
             if culprit is not None:  # Arrow named the line: the lines before it, it alone, then the rest
                 if culprit > a:
                     self._run(a, culprit)
