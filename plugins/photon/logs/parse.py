@@ -492,13 +492,16 @@ class _Lines:
         done = x  # lines read and checked
         ends = self.offsets[1:]  # where each kept line ends (after its newline) in the buffer
         start = int(self.offsets[x])
+
+        def lines_after(blocks: int) -> int:  # lines read once that many blocks are: those ending within them
+            return int(np.searchsorted(ends, start + blocks * block, side="right"))
+
         opts = pj.ReadOptions(use_threads=False, block_size=block)
-        source = pa.BufferReader(self.buffer.slice(int(self.offsets[x])))
+        source = pa.BufferReader(self.buffer.slice(start))
         i = 0
         try:
             for batch in pj.open_json(source, read_options=opts, parse_options=_PARSE[self.kind]):
-                # Lines read after block i: those ending within the first (i + 1) * block bytes.
-                expect = int(np.searchsorted(ends, start + (i + 1) * block, side="right"))
+                expect = lines_after(i + 1)
                 if done + batch.num_rows != expect:
                     self._chunks(done, n)
                     return n
@@ -507,7 +510,7 @@ class _Lines:
                 i += 1
         except pa.ArrowInvalid as exc:
             m = _ROW.search(str(exc))
-            expect = int(np.searchsorted(ends, start + (i + 1) * block, side="right"))
+            expect = lines_after(i + 1)
             culprit = done + int(m.group(1)) if m else expect
             if culprit >= expect:  # no line named, or one outside the block
                 self._chunks(done, n)
