@@ -359,3 +359,25 @@ def test_a_file_of_refused_lines_costs_arrow_reads_in_proportion_to_its_size(two
     assert (good, bad) == (5_000, 5_000 + two_objects_first)
     budget = parse.MAX_REFUSALS + len(lines) // parse.REFUSALS_PER_LINES
     assert len(calls) <= 3 * budget + len(lines) // CHUNK_LINES + 2, len(calls)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_an_ids_timestamp_part_is_its_digits_after_the_last_dash(large: bool) -> None:
+    """The screen reads as many of an id's last characters as its timestamp has digits, as a number: with the pid's
+    "-" among them ("2-3" for 173) they are not that timestamp, nor are fewer digits after the dash, nor more."""
+    import numpy as np
+
+    from photon.logs.parse import _sure_ids
+
+    ids = ["1.2.3.4-2-3", "1.2.3.4-2-173", "1.2.3.4-12-3", "1.2.3.4-1-73", "1.2.3.4-1-1173", "1.2.3.4-22-1"]
+    ts = np.array([173, 173, 123, 173, 173, 221], np.int64)
+    sure = _sure_ids(pa.array(ids, pa.large_string() if large else pa.string()), ts)
+    assert sure.tolist() == [False, True, False, False, False, False]
+    # And a whole file: the click whose id's timestamp part differs from its ts_us is quarantined by the reference.
+    lines = [
+        b'{"click_id": "%s", "ts_us": %d, "query_id": "1.2.3.4-5-6", "ad_id": "a1"}' % (i.encode(), t)
+        for i, t in zip(ids, ts.tolist(), strict=True)
+    ]
+    good, bad = parse_file("f", b"\n".join(lines) + b"\n", "clicks")
+    assert good.column("click_id").to_pylist() == ["1.2.3.4-2-173"]
+    assert bad.num_rows == 5

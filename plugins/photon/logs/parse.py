@@ -281,22 +281,30 @@ def _sure_ids(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> 
     ok = pc.fill_null(pc.match_substring_regex(arr, SURE_ID), False).to_numpy(zero_copy_only=False)
     if ts is None or not ok.any():
         return ok
-    # The timestamp part is the digits after the last "-" (the match holds the shape): compare them with ts's
-    # decimal digits, right to left, all rows at once.
+    # The timestamp part is the digits after the last "-" (the match holds the shape): as many as ts has, after a
+    # "-" within the id, read as a number (a digit a column over the rows, Horner's rule) and compared with ts. Each of
+    # them must be a digit: with the pid's "-" among them, "2-3" would read as 173.
     width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
-    ends = np.frombuffer(arr.buffers()[1], width)[arr.offset + 1 : arr.offset + len(arr) + 1].astype(np.int64)
+    offsets = np.frombuffer(arr.buffers()[1], width)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
     data = np.frombuffer(arr.buffers()[2], np.uint8)
     digits = 1 + np.searchsorted(_POWERS, ts, side="right")
-    ok &= ts >= 0
-    at = np.where(ok, ends - digits - 1, 0)
-    ok &= data[at] == 45  # "-": the part has exactly as many digits as ts
-    rest = ts.copy()
-    for k in range(19):
-        check = ok & (k < digits)
-        if not check.any():
-            break
-        ok &= ~check | (data[np.where(check, ends - 1 - k, 0)] == 48 + rest % 10)
-        rest //= 10
+    ok &= (ts >= 0) & (digits <= 18)  # SURE_ID's at most; the sums below stay within int64
+    first = offsets[1:] - digits
+    ok &= first > offsets[:-1]
+    first[~ok] = 1
+    ok &= data[first - 1] == 45
+    for d in np.unique(digits[ok]).tolist():  # one length, as a rule
+        rows = np.flatnonzero(ok & (digits == d))
+        at = first[rows]
+        byte = data[at]
+        value, low = byte.astype(np.int64), byte
+        for k in range(1, d):
+            byte = data[at + k]
+            value *= 10
+            value += byte
+            low = np.minimum(low, byte)
+        value -= 48 * ((10**d - 1) // 9)  # each byte's "0"
+        ok[rows[(value != ts[rows]) | (low < 48)]] = False
     return ok
 
 
