@@ -573,7 +573,11 @@ def test_the_utf8_check_finds_exactly_the_lines_pythons_decoder_refuses(
         mp.setattr(parse, "UTF8_FAN_OUT", fan_out)
         mp.setattr(parse, "UTF8_BY_LINE", by_line)
         got = parse._invalid_utf8(content, starts, ends)
+        # And with the bytes no UTF-8 text holds found by the byte passes (such lines decided at once, the runs
+        # between them validated each on its own).
+        given = parse._invalid_utf8(content, starts, ends, np.flatnonzero(buf >= 0xF5))
     assert got.tolist() == want.tolist()
+    assert given.tolist() == want.tolist()
 
 
 def _refused_by_python(line: bytes) -> bool:

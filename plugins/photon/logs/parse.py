@@ -349,17 +349,19 @@ def _is_blank(b: np.ndarray) -> np.ndarray:
 SCAN_BYTES = 1 << 18  # a multiple of 64 (the bracket blocks); its temporaries stay in the CPU's cache
 
 
-def _scan(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The byte passes parsing needs, block by block: where the newlines are, one bit per byte for ``[`` and ``{``
-    (packed), and where the bytes ``I`` to ``N`` are. A block's temporaries are reused while still in cache: a pass
-    over the whole file at once costs twice as much (each temporary a fresh allocation, read back from memory)."""
-    newlines, brackets, letters = [], [], []
+    (packed), where the bytes ``I`` to ``N`` are, and where bytes that no UTF-8 text holds (0xF5 to 0xFF) are. A
+    block's temporaries are reused while still in cache: a pass over the whole file at once costs twice as much (each
+    temporary a fresh allocation, read back from memory)."""
+    newlines, brackets, letters, never = [], [], [], []
     for at in range(0, len(buf), SCAN_BYTES):
         block = buf[at : at + SCAN_BYTES]
         newlines.append(np.flatnonzero(block == 10) + at)
         brackets.append(np.packbits((block | 32) == 123))  # [ or {
         letters.append(np.flatnonzero((block - 73) <= 5) + at)  # I..N
-    return np.concatenate(newlines), np.concatenate(brackets), np.concatenate(letters)
+        never.append(np.flatnonzero(block >= 0xF5) + at)
+    return tuple(np.concatenate(parts) for parts in (newlines, brackets, letters, never))  # type: ignore[return-value]
 
 
 def _suspect_lines(
@@ -406,16 +408,20 @@ UTF8_FAN_OUT = 4
 UTF8_BY_LINE = 64  # a failing range this short is decided line by line
 
 
-def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Per line: not valid UTF-8. The whole file is validated at once; a range of lines that fails is cut into parts
+def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray, never: np.ndarray | None = None) -> np.ndarray:
+    """Per line: not valid UTF-8. Lines holding a byte at ``never`` (positions of bytes no UTF-8 text holds) are bad
+    at once; the runs of lines between them are validated each at once, and a run that fails is cut into parts
     validated again, down to a few lines that Python's decoder decides one by one. A bad line costs a few passes
-    over ever shorter ranges around it. Polars validates with simdutf8: over ten times as fast as Arrow's validator
-    on multi-byte text. (A cast only: Polars' expressions hang in a process forked after they ran.)"""
+    over ever shorter ranges around it, unless a byte of it gave it away. Polars validates with simdutf8: over ten
+    times as fast as Arrow's validator on multi-byte text. (A cast only: Polars' expressions hang in a process forked
+    after they ran.)"""
     import polars as pl
 
     bad = np.zeros(len(starts), bool)
     if not len(starts):
         return bad
+    if never is not None and len(never):
+        bad[np.searchsorted(starts, never, side="right") - 1] = True
     whole = pa.py_buffer(content)
     offsets = np.append(starts, ends[-1]).astype(np.int64)  # a line and its newline
 
@@ -442,7 +448,10 @@ def _invalid_utf8(content: bytes, starts: np.ndarray, ends: np.ndarray) -> np.nd
         for part in range(a, b, step):
             check(part, min(part + step, b), UTF8_FAN_OUT)
 
-    check(0, len(starts), UTF8_FIRST_FAN_OUT)
+    given = np.flatnonzero(bad).tolist()
+    for a, b in zip([-1, *given], [*given, len(starts)], strict=True):
+        if b > a + 1:
+            check(a + 1, b, UTF8_FIRST_FAN_OUT)
     return bad
 
 
@@ -586,7 +595,7 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
         good, bad = parse_file_by_line(name, content, kind)
         return good, bad, np.zeros(0, np.int64), np.zeros(0, np.int64)
     buf = np.frombuffer(content, np.uint8)
-    ends, bits, letters = _scan(buf)
+    ends, bits, letters, never = _scan(buf)
     if buf[-1] != 10:
         ends = np.append(ends, len(content))
     starts = np.concatenate(([0], ends[:-1] + 1))
@@ -605,7 +614,7 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
         cr = np.flatnonzero(buf == 13)
         cr = cr[buf[np.minimum(cr + 1, len(buf) - 1)] != 10]
         odd[np.searchsorted(starts, cr, side="right") - 1] = True
-    odd |= _invalid_utf8(content, starts, ends)
+    odd |= _invalid_utf8(content, starts, ends, never)
     lines = _Lines(content, starts, ends, np.flatnonzero(~odd), kind)
     lines.read()
     parsed = lines.parsed
