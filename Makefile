@@ -92,9 +92,10 @@ TEST_WORKERS ?= 3
 test: setup lint
 	"$(PY)" -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(PYTEST_ARGS)
 
-# The parser's property tests (tests/unit/test_parse_properties.py) far past the suite's 10,000 examples each:
-# random (not derandomized), FUZZ_EXAMPLES per property. A failure prints the smallest example found and the
-# @reproduce_failure line that replays it.
+# The parser's property tests (tests/unit/test_parse_properties.py) far past the suite's examples (3,000 a property,
+# fewer for some): random (not derandomized), FUZZ_EXAMPLES per property (at most 100,000 for a single function's and
+# 2,000 for lines of a megabyte). A failure prints the smallest example found and the @reproduce_failure line that
+# replays it.
 FUZZ_EXAMPLES ?= 500000
 fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) "$(PY)" -m pytest -p no:cacheprovider --timeout=0 \

@@ -55,9 +55,11 @@ settings.register_profile(
 )
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "parse")
 EXAMPLES = settings.get_profile(PROFILE)
-# Lines of a megabyte: a few in the suite, more when fuzzing.
-BIG = settings(EXAMPLES, max_examples=50 if PROFILE == "parse" else 2_000)
-SMALL = settings(EXAMPLES, max_examples=2_000 if PROFILE == "parse" else 100_000)  # a single function, no files
+# Lines of a megabyte: a few in the suite, more when fuzzing. When fuzzing, FUZZ_EXAMPLES caps these too.
+BIG = settings(EXAMPLES, max_examples=50 if PROFILE == "parse" else min(2_000, EXAMPLES.max_examples))
+SMALL = settings(  # a single function, no files
+    EXAMPLES, max_examples=2_000 if PROFILE == "parse" else min(100_000, EXAMPLES.max_examples)
+)
 
 KINDS = ("queries", "clicks")
 
