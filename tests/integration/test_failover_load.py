@@ -132,6 +132,11 @@ class Joiners:
         self.procs[dc] = self.n.lease(dc, until_drained=True)
         self.logs[dc] = self.n.last_log
 
+    def restart(self, dc: str) -> None:
+        """The next joiner of a pipeline whose last one exited 0, caught up."""
+        self.restarts[dc] += 1
+        self.start(dc)
+
     def carried_on(self, dc: str) -> bool:
         after = self.promoted_unix
         return after is not None and sum(c > after for _, _, c in _batches(self.n.owner).get(dc, [])) >= AFTER_PROMOTION
@@ -141,8 +146,7 @@ class Joiners:
             if proc.poll() is None:
                 continue
             if proc.returncode == 0 and (self.killed_unix is None or self.carried_on(dc)):
-                self.restarts[dc] += 1
-                self.start(dc)
+                self.restart(dc)
                 continue
             raise AssertionError(f"{dc}'s joiner exited ({proc.returncode}) while waiting for {what}")
 
@@ -224,8 +228,7 @@ def test_both_joiners_carry_on_across_a_lost_primary(
         # A joiner that caught up and exited before the last input arrived: its next one joins the rest.
         for dc in [dc for dc, proc in joiners.procs.items() if proc.poll() is not None]:
             assert joiners.procs[dc].returncode == 0, joiners.logs[dc].read_text()[-3000:]
-            joiners.restarts[dc] += 1
-            joiners.start(dc)
+            joiners.restart(dc)
         for dc, proc in joiners.procs.items():  # each joins on, drains, and exits by itself
             assert proc.wait(timeout=120) == 0, f"{dc}'s joiner failed: {joiners.logs[dc].read_text()[-3000:]}"
     finally:

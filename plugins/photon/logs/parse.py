@@ -361,7 +361,7 @@ def _scan(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
         brackets.append(np.packbits((block | 32) == 123))  # [ or {
         letters.append(np.flatnonzero((block - 73) <= 5) + at)  # I..N
         never.append(np.flatnonzero(block >= 0xF5) + at)
-    return tuple(np.concatenate(parts) for parts in (newlines, brackets, letters, never))  # type: ignore[return-value]
+    return np.concatenate(newlines), np.concatenate(brackets), np.concatenate(letters), np.concatenate(never)
 
 
 def _suspect_lines(
