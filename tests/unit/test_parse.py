@@ -78,14 +78,111 @@ def _same(name: str, content: bytes, kind: str) -> tuple[int, int]:
     return good.num_rows, bad.num_rows
 
 
+def _no_shape_screen(mp: pytest.MonkeyPatch) -> None:
+    """Every line to Arrow whatever its quotes and brackets: the paths behind the screen of ``_out_of_step``."""
+    from photon.logs import parse
+
+    mp.setattr(parse, "SHAPE_BUDGET_LINES", -1)
+    mp.setattr(parse, "SHAPE_BUDGET_PER", 1 << 62)
+
+
+@pytest.mark.parametrize("shape_screen", [True, False])
 @pytest.mark.parametrize("after", [0, 1, 5])
-def test_a_line_of_two_objects_before_a_refused_one(after: int) -> None:
+def test_a_line_of_two_objects_before_a_refused_one(after: int, shape_screen: bool) -> None:
     """A line holding two objects gives Arrow's stream one row too many, so the row a refusal names is the line after
     the one refused, or past the block's last line: every line still ends up an event or a quarantine record."""
     wrong_type = C.replace(b'"ts_us": 1763700000000009', b'"ts_us": "1763700000000009"')
     content = b"\n".join([C, C + b" " + C, C, wrong_type] + [C] * after) + b"\n"
-    good, bad = _same("two.jsonl", content, "clicks")
+    with pytest.MonkeyPatch.context() as mp:
+        if not shape_screen:
+            _no_shape_screen(mp)
+        good, bad = _same("two.jsonl", content, "clicks")
     assert (good, bad) == (2 + after, 2)
+
+
+def _arrow_reads(content: bytes, kind: str) -> tuple[int, int, int, int]:
+    """(events, quarantine records, Arrow reads, lines the reference path parsed) of one file, both paths agreeing."""
+    from photon.logs import parse
+
+    reads: list[int] = []
+    referred: list[int] = []
+    real_reference = parse._by_line_numbers
+    with pytest.MonkeyPatch.context() as mp:
+        for reader in ("open_json", "read_json"):
+            real = getattr(parse.pj, reader)
+            mp.setattr(parse.pj, reader, lambda *a, real=real, **k: reads.append(1) or real(*a, **k))
+        mp.setattr(
+            parse,
+            "_by_line_numbers",
+            lambda name, kind, lines, index: referred.append(len(lines)) or real_reference(name, kind, lines, index),
+        )
+        good, bad = _same("shape.jsonl", content, kind)
+    lines = content.count(b"\n")  # the reference path parsed each line once for _same's comparison
+    return good, bad, len(reads), sum(referred) - lines
+
+
+WRONG_TYPES = {
+    "clicks": [
+        C.replace(b'"ts_us": 1763700000000009', b'"ts_us": "1763700000000009"'),  # a number quoted
+        C.replace(b'"10.1.2.3-7-1763700000000001"', b"101237"),  # an id unquoted
+        C.replace(b'"a1"', b'["a1"]'),  # a list for a string
+        C.replace(b'"a1"', b'{"id": "a1"}'),
+        b'{"click_id": "10.250.0.1-1-1600000000000001", "ts_us": "soon", "query_id": 17, "ad_id": ["a1"]}',
+    ],
+    "queries": [
+        Q.replace(b'"ts_us": 1763700000000001', b'"ts_us": "1763700000000001"'),
+        Q.replace(b'"u1"', b"17"),
+        Q.replace(b'"bid_micros": 5', b'"bid_micros": "5"'),
+        Q.replace(b'[{"ad_id": "a1", "advertiser_id": "x1", "bid_micros": 5}]', b'"a1"'),
+        b'{"query_id": "10.250.0.1-1-1600000000000001", "ts_us": "soon", "user_id": 17, "ads": 3}',
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", ["clicks", "queries"])
+def test_a_value_of_the_wrong_type_goes_to_the_reference_without_an_arrow_refusal(kind: str) -> None:
+    """A string where a number or a list belongs, or the other way round, puts a line's quotes and brackets out of
+    step: the line goes to the reference path at once, and Arrow reads the file in one stream, refusing nothing
+    (each refusal cost a read again of up to a block). Lines laid out otherwise but good stay with Arrow: an
+    escaped quote in a text, an empty or a longer list of ads."""
+    good_line = C if kind == "clicks" else Q
+    fine = [good_line]
+    if kind == "queries":
+        ad = b'{"ad_id": "a2", "advertiser_id": "x\\"2\\"", "bid_micros": 7}'
+        fine += [
+            Q.replace(b'"tea"', b'"\\"tea\\" and \\"milk\\""'),
+            Q.replace(b"}]}", b"}, " + ad + b", " + ad + b"]}"),
+        ]
+    else:
+        fine.append(C.replace(b'"a1"', b'"a\\"1"'))
+    lines = [fine[i % len(fine)] for i in range(3_000)]
+    for i, bad_line in enumerate(WRONG_TYPES[kind]):
+        lines[100 + 500 * i] = bad_line
+    good, bad, reads, referred = _arrow_reads(b"\n".join(lines) + b"\n", kind)
+    assert (good, bad) == (3_000 - len(WRONG_TYPES[kind]), len(WRONG_TYPES[kind]))
+    assert (reads, referred) == (1, len(WRONG_TYPES[kind]))
+
+
+def test_a_file_laid_out_its_own_way_goes_to_arrow_whole() -> None:
+    """Good lines all out of step (a field the contract does not name, say): past the budget the screen stands
+    aside for the file, so that its lines are not all parsed by the reference path; a wrong type among them then
+    costs Arrow a refusal, as before the screen."""
+    from photon.logs import parse
+
+    extra = C.replace(b'"ad_id": "a1"', b'"ad_id": "a1", "referrer": "news"')
+    wrong = extra.replace(b'"ts_us": 1763700000000009', b'"ts_us": "1763700000000009"')
+    lines = [extra] * 3_000
+    lines[1_500] = wrong
+    good, bad, reads, referred = _arrow_reads(b"\n".join(lines) + b"\n", "clicks")
+    assert (good, bad, referred) == (2_999, 1, 1)
+    assert reads == 3  # the stream refused at the wrong line, the lines before it in its block, the stream again
+    budget = parse.SHAPE_BUDGET_LINES + 3_000 // parse.SHAPE_BUDGET_PER
+    lines = [C] * 3_000
+    for i in range(budget):
+        lines[i * 50] = extra
+    assert _arrow_reads(b"\n".join(lines) + b"\n", "clicks")[2:] == (1, budget)
+    lines[2_999] = extra  # one more than the budget: the screen stands aside
+    assert _arrow_reads(b"\n".join(lines) + b"\n", "clicks")[2:] == (1, 0)
 
 
 @pytest.mark.parametrize(("kind", "line", "cases"), [("queries", Q, QUERY_CASES), ("clicks", C, CLICK_CASES)])
