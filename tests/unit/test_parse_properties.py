@@ -545,6 +545,58 @@ def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tu
     assert (sliced == sure).all()
 
 
+def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
+    """Ids as a file holds them: a few parts before the timestamp, each shared by many rows, and timestamps of
+    today's 16 digits, with near misses on both sides of the last "-" (and rows of no id at all)."""
+    octet = st.integers(0, 255).map(str) | st.sampled_from(["256", "00", "01", "", "1a", "é"])
+    pid = st.integers(0, 10**9 - 1).map(str) | st.sampled_from(["007", "1234567890", "", "-", "x"])
+    part = st.tuples(octet, octet, octet, octet, pid).map(lambda p: f"{p[0]}.{p[1]}.{p[2]}.{p[3]}-{p[4]}")
+    part = part | st.text(max_size=30)
+    sixteen = st.integers(10**15, 10**16 - 1).map(str)
+    tail = sixteen | sixteen | st.sampled_from(["0" + "1" * 15, "1" * 15, "1" * 17, "1" * 15 + "x", "1" * 8 + "é"])
+    tail = tail | st.text(alphabet="0123456789-x ", min_size=14, max_size=18)
+
+    @st.composite
+    def rows(d: st.DrawFn) -> tuple[list[str | None], list[int]]:
+        parts = d(st.lists(part, min_size=1, max_size=4))
+        ids: list[str | None] = []
+        ts: list[int] = []
+        for _ in range(d(st.integers(1, 12))):
+            t = d(tail)
+            sep = d(st.sampled_from(["-"] * 6 + ["--", "_", ""]))
+            ids.append(None if d(st.integers(0, 15)) == 0 else d(st.sampled_from(parts)) + sep + t)
+            own = int(t) if t.isascii() and t.isdigit() else 0
+            ts.append(d(st.sampled_from([own, own, own, own + 1, own - 10**15, 0])))
+        return ids, ts
+
+    return rows()
+
+
+@SMALL
+@given(rows=_shared_parts(), large=st.booleans(), offset=st.integers(0, 2))
+def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
+    rows: tuple[list[str | None], list[int]], large: bool, offset: int
+) -> None:
+    """``_sure_ids`` matches each distinct part before a 16-digit timestamp once and reads the timestamp as two
+    words: it answers exactly as a regex match of each id and its digits read one by one (``_sure_ids_by_regex``),
+    and accepts nothing the reference (``valid_ids``) refuses or with another timestamp; for string and large string
+    arrays, sliced or not, with nulls."""
+    import numpy as np
+    import pyarrow as pa
+
+    from photon.logs.ids import valid_ids
+    from photon.logs.parse import _sure_ids, _sure_ids_by_regex
+
+    ids, ts_list = rows
+    ts = np.array(ts_list, np.int64)
+    arr = pa.array(["x" * 30] * offset + ids, pa.large_string() if large else pa.string()).slice(offset)
+    sure = _sure_ids(arr, ts)
+    assert sure.tolist() == _sure_ids_by_regex(arr, ts).tolist()
+    assert _sure_ids(arr).tolist() == _sure_ids_by_regex(arr).tolist()
+    valid, id_ts = valid_ids(pa.array([i or "" for i in ids], pa.string()))
+    assert not (sure & ~(valid & (id_ts == ts))).any()
+
+
 @SMALL
 @given(
     lines=st.lists(

@@ -275,8 +275,73 @@ SURE_ID = rf"^{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})-(0|[1
 _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 
 
+# SURE_ID up to the "-" before the timestamp. Today's timestamps (years 2001 to 2286) have 16 digits: an id that ends
+# in "-" and 16 digits, the first not 0, is surely valid exactly when what comes before that "-" matches _SURE_PREFIX.
+_SURE_PREFIX = rf"^{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})$"
+_TS_DIGITS = 16
+_TAIL = 24  # bytes read at an id's end as three 64-bit words: "-" the last byte of the first, 16 digits in two more
+_U64 = np.uint64
+_ZEROS, _NIBBLES, _SIXES = _U64(0x3030303030303030), _U64(0xF0F0F0F0F0F0F0F0), _U64(0x0606060606060606)
+_PAIRS, _QUADS, _OCTS = _U64(0x00FF00FF00FF00FF), _U64(0x0000FFFF0000FFFF), _U64(0xFFFFFFFF)
+
+
+def _eight_digits(w: np.ndarray) -> np.ndarray:
+    """Per word: each of its 8 bytes is an ASCII digit (high nibble 3, and no carry out of the low one adding 6)."""
+    return ((w & _NIBBLES) == _ZEROS) & (((w + _SIXES) & _NIBBLES) == _ZEROS)
+
+
+def _eight_digits_value(w: np.ndarray) -> np.ndarray:
+    """Per word of 8 ASCII digits, the first in the lowest byte: their number (pairs, then fours, then all eight)."""
+    v = w - _ZEROS
+    v = (v * _U64(10) + (v >> _U64(8))) & _PAIRS
+    v = (v * _U64(100) + (v >> _U64(16))) & _QUADS
+    return (v * _U64(10000) + (v >> _U64(32))) & _OCTS
+
+
 def _sure_ids(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
-    """Per row: the id is surely valid (see ``SURE_ID``) and, given ``ts``, its timestamp part is exactly ``ts``."""
+    """Per row: the id is surely valid (see ``SURE_ID``) and, given ``ts``, its timestamp part is exactly ``ts``.
+
+    The ids of a file come from a few servers, so most share their part before the timestamp: each distinct part
+    is matched once (a regex match of each id cost 90 ns, for 20,000 ids more than Arrow's parse of a click file's
+    ids). An id's last 24 bytes are read as three words: a "-" and 16 digits, checked and read as a number at once.
+    Ids not ending so (other lengths of timestamp, no "-", fewer bytes) take ``_sure_ids_by_regex``."""
+    arr = _one(col)
+    n = len(arr)
+    if not n:
+        return np.zeros(0, bool)
+    ids = arr.view(pa.large_binary() if pa.types.is_large_string(arr.type) else pa.binary())
+    if arr.null_count:
+        ids = pc.fill_null(ids, b"")
+    lengths = pc.binary_length(ids).to_numpy()
+    long_enough = lengths >= _TAIL
+    padded = ids if long_enough.all() else pc.if_else(pa.array(long_enough), ids, pa.scalar(b" " * _TAIL, ids.type))
+    tail = pc.binary_slice(padded, -_TAIL)  # exactly _TAIL bytes a row, one after the other
+    width = np.int64 if pa.types.is_large_binary(tail.type) else np.int32
+    first = int(np.frombuffer(tail.buffers()[1], width)[tail.offset])
+    words = np.frombuffer(tail.buffers()[2], np.uint8)[first : first + n * _TAIL].view("<u8").reshape(n, 3)
+    high, low = words[:, 1], words[:, 2]
+    ok = (
+        ((words[:, 0] >> _U64(56)) == _U64(45))  # the "-"
+        & ((high & _U64(0xFF)) != _U64(48))  # no leading 0
+        & _eight_digits(high)
+        & _eight_digits(low)
+    )
+    if arr.null_count:
+        ok &= arr.is_valid().to_numpy(zero_copy_only=False)
+    fast = ok.copy()
+    if ts is not None:
+        ok &= (_eight_digits_value(high) * _U64(100_000_000) + _eight_digits_value(low)).view(np.int64) == ts
+    parts = pc.dictionary_encode(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))
+    sure = pc.fill_null(pc.match_substring_regex(parts.dictionary, _SURE_PREFIX), False).to_numpy(zero_copy_only=False)
+    ok &= sure[pc.fill_null(parts.indices, 0).to_numpy()] if len(sure) else False
+    rest = np.flatnonzero(~fast)
+    if len(rest):
+        ok[rest] = _sure_ids_by_regex(arr.take(pa.array(rest)), None if ts is None else ts[rest])
+    return ok
+
+
+def _sure_ids_by_regex(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
+    """``_sure_ids`` for any id: a regex match each, then the timestamp part read as a number."""
     arr = _one(col)
     ok = pc.fill_null(pc.match_substring_regex(arr, SURE_ID), False).to_numpy(zero_copy_only=False)
     if ts is None or not ok.any():
