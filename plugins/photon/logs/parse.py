@@ -709,6 +709,23 @@ class _Lines:
                 a = mid
 
 
+SLICES_AT_MOST = 16  # doubtful rows of a chunk left out by zero-copy slices; more, by a filter
+
+
+def _without(t: pa.Table, rows: np.ndarray) -> list[pa.Table]:
+    """``t`` without ``rows`` (ascending): the slices between them, which copy nothing, where they are few; a
+    filter copies every column of the chunk."""
+    if not len(rows):
+        return [t]
+    if len(rows) > SLICES_AT_MOST:
+        keep = np.ones(t.num_rows, bool)
+        keep[rows] = False
+        return [t.filter(pa.array(keep))]
+    starts = [0, *(rows + 1).tolist()]
+    stops = [*rows.tolist(), t.num_rows]
+    return [t.slice(a, b - a) for a, b in zip(starts, stops, strict=True) if b > a]
+
+
 def parse_file(name: str, content: bytes, kind: str) -> tuple[pa.Table, pa.Table]:
     """(events, quarantine records) of one closed log file. Events keep line order except for lines the reference
     path decided. A file not ending in a newline has a torn last line (closed files end in one): it is parsed like
@@ -761,10 +778,10 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
         at_line = np.concatenate([at for _, at in parsed])
         ok = _screen(pa.concat_tables(chunks), kind)
         at = 0
-        for t in chunks:  # a filter copies every column: only the chunks with a doubtful row
+        for t in chunks:
             keep = ok[at : at + t.num_rows]
             at += t.num_rows
-            pieces.append(t if keep.all() else t.filter(pa.array(keep)))
+            pieces.extend(_without(t, np.flatnonzero(~keep)))
         located.append(at_line[ok])
         doubt.extend(at_line[~ok].tolist())
     doubt.sort()
