@@ -573,9 +573,9 @@ def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
 
 
 @SMALL
-@given(rows=_shared_parts(), large=st.booleans(), offset=st.integers(0, 2))
+@given(rows=_shared_parts(), large=st.booleans(), offset=st.integers(0, 2), dictionary=st.booleans())
 def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
-    rows: tuple[list[str | None], list[int]], large: bool, offset: int
+    rows: tuple[list[str | None], list[int]], large: bool, offset: int, dictionary: bool
 ) -> None:
     """``_sure_ids`` matches each distinct part before a 16-digit timestamp once and reads the timestamp as two
     words: it answers exactly as a regex match of each id and its digits read one by one (``_sure_ids_by_regex``),
@@ -590,9 +590,11 @@ def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
     ids, ts_list = rows
     ts = np.array(ts_list, np.int64)
     arr = pa.array(["x" * 30] * offset + ids, pa.large_string() if large else pa.string()).slice(offset)
-    sure = _sure_ids(arr, ts)
-    assert sure.tolist() == _sure_ids_by_regex(arr, ts).tolist()
-    assert _sure_ids(arr).tolist() == _sure_ids_by_regex(arr).tolist()
+    with pytest.MonkeyPatch.context() as mp:  # the parts matched once each (a dictionary), or each row's
+        mp.setattr(parse, "_PARTS_DISTINCT", 0 if dictionary else 1 << 30)
+        sure = _sure_ids(arr, ts)
+        assert sure.tolist() == _sure_ids_by_regex(arr, ts).tolist()
+        assert _sure_ids(arr).tolist() == _sure_ids_by_regex(arr).tolist()
     valid, id_ts = valid_ids(pa.array([i or "" for i in ids], pa.string()))
     assert not (sure & ~(valid & (id_ts == ts))).any()
 
