@@ -518,15 +518,22 @@ def _suspect_lines(
 # a list belongs) puts them out of step: Arrow would refuse the line, and its block be read again around it (1-1.5
 # ms a refusal, a third of a click file's parse beyond Arrow's); such lines go to the reference path at once.
 # Lines laid out otherwise (a quote escaped, a bracket in a text, a field the contract does not name) are good too:
-# where more than SHAPE_BUDGET_LINES, and one in SHAPE_BUDGET_PER, of a file's lines are out of step, its
+# where more than _shape_budget's lines of a file are out of step, its
 # producer lays lines out its own way, and all of them go to Arrow as before.
 SHAPE_BUDGET_LINES, SHAPE_BUDGET_PER = 16, 256
+
+
+def _shape_budget(lines: int) -> int:
+    """Good lines out of step a file may send to the reference path (24 us each, against a refusal's 1-1.5 ms in a
+    file of thousands of lines): SHAPE_BUDGET_LINES and one in SHAPE_BUDGET_PER, but at most one in 16 in a small
+    file, whose refusals cost little (a reviewer's 64-line files with 16 such lines parsed 1.45x slower)."""
+    return min(SHAPE_BUDGET_LINES, lines // 16) + lines // SHAPE_BUDGET_PER
 
 
 def _out_of_step(
     kind: str, starts: np.ndarray, ends: np.ndarray, opening: np.ndarray, quotes: np.ndarray, backslashes: np.ndarray
 ) -> np.ndarray:
-    """Per line: its quotes and opening brackets are not in step as an event's are (see ``SHAPE_BUDGET_LINES``).
+    """Per line: its quotes and opening brackets are not in step as an event's are (see ``_shape_budget``).
     ``quotes`` and ``backslashes`` are ``_scan``'s words."""
     n = _Bits(quotes).within(starts, ends)
     if backslashes.any():  # a quote right after a backslash is (as a rule) escaped
@@ -770,7 +777,7 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
     opening = _Bits(brackets).within(starts, ends)
     odd |= _suspect_lines(buf, starts, ends, opening, letters) | ~_ends_in_brace(buf, ends)
     off = _out_of_step(kind, starts, ends, opening, quotes, backslashes) & ~odd
-    if np.count_nonzero(off) <= SHAPE_BUDGET_LINES + len(starts) // SHAPE_BUDGET_PER:
+    if np.count_nonzero(off) <= _shape_budget(len(starts)):
         odd |= off
     if b"\r" in content:  # Arrow cuts its blocks at a CR too: a line may hold one only right before its newline
         cr = np.flatnonzero(buf == 13)
