@@ -273,13 +273,14 @@ def _non_empty(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 # An id that is canonical with every part surely in range: octets up to 255, a pid of at most 9 digits (a 10-digit
 # pid may exceed 2^32 - 1: the reference path decides those). One regex match, no captures.
-SURE_ID = rf"^{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})-(0|[1-9][0-9]{{0,17}})$"
+_PART = rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})"  # an id before its timestamp's "-"
+SURE_ID = rf"^{_PART}-(0|[1-9][0-9]{{0,17}})$"
 _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 
 
 # SURE_ID up to the "-" before the timestamp. Today's timestamps (years 2001 to 2286) have 16 digits: an id that ends
 # in "-" and 16 digits, the first not 0, is surely valid exactly when what comes before that "-" matches _SURE_PREFIX.
-_SURE_PREFIX = rf"^{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}-(0|[1-9][0-9]{{0,8}})$"
+_SURE_PREFIX = rf"^{_PART}$"
 _TS_DIGITS = 16
 _PARTS_SAMPLE, _PARTS_DISTINCT = 256, 8  # parts matched each, not once, where a sample's are over 1 in 8 distinct
 _TAIL = 24  # bytes read at an id's end as three 64-bit words: "-" the last byte of the first, 16 digits in two more
@@ -471,8 +472,7 @@ class _Bits:
 
     def __init__(self, words: np.ndarray) -> None:
         self.words = words
-        self.per_word = np.bitwise_count(words)
-        self.cum = np.concatenate(([0], np.cumsum(self.per_word, dtype=np.int64)))
+        self.cum = np.concatenate(([0], np.cumsum(np.bitwise_count(words), dtype=np.int64)))
 
     def before(self, at: np.ndarray) -> np.ndarray:
         word = at >> 6
@@ -518,8 +518,8 @@ def _suspect_lines(
 # a list belongs) puts them out of step: Arrow would refuse the line, and its block be read again around it (1-1.5
 # ms a refusal, a third of a click file's parse beyond Arrow's); such lines go to the reference path at once.
 # Lines laid out otherwise (a quote escaped, a bracket in a text, a field the contract does not name) are good too:
-# where more than _shape_budget's lines of a file are out of step, its
-# producer lays lines out its own way, and all of them go to Arrow as before.
+# where more than _shape_budget's lines of a file are out of step, its producer lays lines out its own way, and all
+# of them go to Arrow as before.
 SHAPE_BUDGET_LINES, SHAPE_BUDGET_PER = 16, 256
 
 
@@ -535,10 +535,10 @@ def _out_of_step(
 ) -> np.ndarray:
     """Per line: its quotes and opening brackets are not in step as an event's are (see ``_shape_budget``).
     ``quotes`` and ``backslashes`` are ``_scan``'s words."""
-    n = _Bits(quotes).within(starts, ends)
-    if backslashes.any():  # a quote right after a backslash is (as a rule) escaped
+    if backslashes.any():  # a quote right after a backslash is (as a rule) escaped: not counted
         after = (backslashes << np.uint64(1)) | np.concatenate(([np.uint64(0)], backslashes[:-1] >> np.uint64(63)))
-        n -= _Bits(quotes & after).within(starts, ends)
+        quotes = quotes & ~after
+    n = _Bits(quotes).within(starts, ends)
     return (n != 14) | (opening != 1) if kind == "clicks" else n != 10 * opening
 
 
