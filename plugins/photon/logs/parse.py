@@ -466,21 +466,17 @@ def _words(bits: np.ndarray) -> np.ndarray:
     return np.concatenate((bits, np.zeros(-len(bits) % 8 + 8, np.uint8))).view(np.uint64)
 
 
-class _Bits:
-    """Counts of the set bits of ``words`` (from ``_scan``) in byte ranges: a running sum by word, and a word's bits
-    below a position masked and counted."""
-
-    def __init__(self, words: np.ndarray) -> None:
-        self.words = words
-        self.cum = np.concatenate(([0], np.cumsum(np.bitwise_count(words), dtype=np.int64)))
-
-    def before(self, at: np.ndarray) -> np.ndarray:
-        word = at >> 6
-        below = (np.uint64(1) << (at & 63).astype(np.uint64)) - np.uint64(1)
-        return self.cum[word] + np.bitwise_count(self.words[word] & below)
-
-    def within(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        return self.before(ends) - self.before(starts)
+def _per_line(ends: np.ndarray, *words: np.ndarray) -> list[np.ndarray]:
+    """Per line, the set bits of each of ``words`` (from ``_scan``) within it. Lines lie back to back, each from
+    right after the newline ending the one before (a newline sets no bit), so a line's count is the count up to its
+    end less the count up to the previous line's: one running sum by word, and one word masked below each end."""
+    word = ends >> 6
+    below = (np.uint64(1) << (ends & 63).astype(np.uint64)) - np.uint64(1)
+    counts = []
+    for w in words:
+        cum = np.concatenate(([0], np.cumsum(np.bitwise_count(w), dtype=np.int64)))
+        counts.append(np.diff(cum[word] + np.bitwise_count(w[word] & below), prepend=0))
+    return counts
 
 
 def _suspect_lines(
@@ -530,16 +526,18 @@ def _shape_budget(lines: int) -> int:
     return min(SHAPE_BUDGET_LINES, lines // 16) + lines // SHAPE_BUDGET_PER
 
 
-def _out_of_step(
-    kind: str, starts: np.ndarray, ends: np.ndarray, opening: np.ndarray, quotes: np.ndarray, backslashes: np.ndarray
-) -> np.ndarray:
-    """Per line: its quotes and opening brackets are not in step as an event's are (see ``_shape_budget``).
-    ``quotes`` and ``backslashes`` are ``_scan``'s words."""
-    if backslashes.any():  # a quote right after a backslash is (as a rule) escaped: not counted
-        after = (backslashes << np.uint64(1)) | np.concatenate(([np.uint64(0)], backslashes[:-1] >> np.uint64(63)))
-        quotes = quotes & ~after
-    n = _Bits(quotes).within(starts, ends)
-    return (n != 14) | (opening != 1) if kind == "clicks" else n != 10 * opening
+def _unescaped(quotes: np.ndarray, backslashes: np.ndarray) -> np.ndarray:
+    """``_scan``'s quote words without the quotes right after a backslash (as a rule escaped: not counted)."""
+    if not backslashes.any():
+        return quotes
+    after = (backslashes << np.uint64(1)) | np.concatenate(([np.uint64(0)], backslashes[:-1] >> np.uint64(63)))
+    return quotes & ~after
+
+
+def _out_of_step(kind: str, opening: np.ndarray, quoted: np.ndarray) -> np.ndarray:
+    """Per line: its quotes (``quoted``, escaped ones aside) and opening brackets are not in step as an event's are
+    (see ``_shape_budget``)."""
+    return (quoted != 14) | (opening != 1) if kind == "clicks" else quoted != 10 * opening
 
 
 def _ends_in_brace(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -774,9 +772,9 @@ def parse_file_located(name: str, content: bytes, kind: str) -> tuple[pa.Table, 
     # where Arrow's chunker may end a block and the next start with a top-level null (the crash above).
     first_byte = buf[np.minimum(starts, len(buf) - 1)]
     odd = (lengths == 0) | (lengths > MAX_LINE_BYTES) | (first_byte != ord("{")) | (ends >= len(content))
-    opening = _Bits(brackets).within(starts, ends)
+    opening, quoted = _per_line(ends, brackets, _unescaped(quotes, backslashes))
     odd |= _suspect_lines(buf, starts, ends, opening, letters) | ~_ends_in_brace(buf, ends)
-    off = _out_of_step(kind, starts, ends, opening, quotes, backslashes) & ~odd
+    off = _out_of_step(kind, opening, quoted) & ~odd
     if np.count_nonzero(off) <= _shape_budget(len(starts)):
         odd |= off
     if b"\r" in content:  # Arrow cuts its blocks at a CR too: a line may hold one only right before its newline
