@@ -493,6 +493,25 @@ def test_an_ids_timestamp_part_is_its_digits_after_the_last_dash(large: bool) ->
     assert bad.num_rows == 5
 
 
+@pytest.mark.parametrize("tried", [4, -1])
+def test_an_id_whose_part_goes_on_from_a_good_part_is_not_taken_for_it(
+    tried: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id check tries a sample's parts on every row by their start: a row that starts with a good part and goes
+    on before its timestamp ("1.2.3.4-5x", "1.2.3.4-5-") has a part of its own, which decides it; so too where each
+    part is matched once (no parts tried)."""
+    import numpy as np
+
+    from photon.logs import parse
+
+    monkeypatch.setattr(parse, "_PARTS_TRIED", tried)
+    monkeypatch.setattr(parse, "_PARTS_SAMPLE", 1)  # the sample: the first row only, whose part is good
+    ts = 1_763_700_000_000_000
+    ids = [f"1.2.3.4-5-{ts}", f"1.2.3.4-5x-{ts}", f"1.2.3.4-5--{ts}", f"1.2.3.4-56-{ts}", f"1.2.3.4-5-{ts}"]
+    sure = parse._sure_ids(pa.array(ids), np.full(len(ids), ts, np.int64))
+    assert sure.tolist() == [True, False, False, True, True]
+
+
 @pytest.mark.parametrize("every", [1_000, 200, 3])
 def test_rows_the_screen_doubts_leave_arrows_chunks_by_slices_or_a_filter(every: int) -> None:
     """Lines Arrow reads but the screen doubts (an id not canonical, a ts its id does not hold) leave their chunk:

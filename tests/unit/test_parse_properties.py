@@ -546,8 +546,9 @@ def test_the_screens_id_check_is_sound_and_takes_every_ordinary_id(rows: list[tu
 
 
 def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
-    """Ids as a file holds them: a few parts before the timestamp, each shared by many rows, and timestamps of
-    today's 16 digits, with near misses on both sides of the last "-" (and rows of no id at all)."""
+    """Ids as a file holds them: a few parts before the timestamp, each shared by many rows (some going on from
+    another), and timestamps of today's 16 digits, with near misses on both sides of the last "-" (and rows of no id
+    at all)."""
     octet = st.integers(0, 255).map(str) | st.sampled_from(["256", "00", "01", "", "1a", "é"])
     pid = st.integers(0, 10**9 - 1).map(str) | st.sampled_from(["007", "1234567890", "", "-", "x"])
     part = st.tuples(octet, octet, octet, octet, pid).map(lambda p: f"{p[0]}.{p[1]}.{p[2]}.{p[3]}-{p[4]}")
@@ -559,6 +560,8 @@ def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
     @st.composite
     def rows(d: st.DrawFn) -> tuple[list[str | None], list[int]]:
         parts = d(st.lists(part, min_size=1, max_size=4))
+        # and parts that go on from another (an id of one starts with the other)
+        parts += [p + d(st.sampled_from(["-", "0", "1", "x", "-1", ".", "é"])) for p in parts if d(st.booleans())]
         ids: list[str | None] = []
         ts: list[int] = []
         for _ in range(d(st.integers(1, 12))):
@@ -573,14 +576,21 @@ def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
 
 
 @SMALL
-@given(rows=_shared_parts(), large=st.booleans(), offset=st.integers(0, 2), dictionary=st.booleans())
+@given(
+    rows=_shared_parts(),
+    large=st.booleans(),
+    offset=st.integers(0, 2),
+    path=st.sampled_from(["tried", "dictionary", "each"]),
+    sample=st.integers(1, 16),
+)
 def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
-    rows: tuple[list[str | None], list[int]], large: bool, offset: int, dictionary: bool
+    rows: tuple[list[str | None], list[int]], large: bool, offset: int, path: str, sample: int
 ) -> None:
-    """``_sure_ids`` matches each distinct part before a 16-digit timestamp once and reads the timestamp as two
-    words: it answers exactly as a regex match of each id and its digits read one by one (``_sure_ids_by_regex``),
-    and accepts nothing the reference (``valid_ids``) refuses or with another timestamp; for string and large string
-    arrays, sliced or not, with nulls."""
+    """``_sure_ids`` decides the part before a 16-digit timestamp by the parts of a sample tried on every row (and a
+    match of each row they leave), by a match of each distinct part, or of each row's, and reads the timestamp as
+    two words: it answers exactly as a regex match of each id and its digits read one by one
+    (``_sure_ids_by_regex``), and accepts nothing the reference (``valid_ids``) refuses or with another timestamp;
+    for string and large string arrays, sliced or not, with nulls, whatever the sample holds."""
     import numpy as np
     import pyarrow as pa
 
@@ -590,8 +600,11 @@ def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
     ids, ts_list = rows
     ts = np.array(ts_list, np.int64)
     arr = pa.array(["x" * 30] * offset + ids, pa.large_string() if large else pa.string()).slice(offset)
-    with pytest.MonkeyPatch.context() as mp:  # the parts matched once each (a dictionary), or each row's
-        mp.setattr(parse, "_PARTS_DISTINCT", 0 if dictionary else 1 << 30)
+    # A sample's parts tried on every row, each distinct part matched once, or each row's.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parse, "_PARTS_TRIED", 4 if path == "tried" else -1)
+        mp.setattr(parse, "_PARTS_DISTINCT", 1 << 30 if path == "each" else 0)
+        mp.setattr(parse, "_PARTS_SAMPLE", sample)
         sure = _sure_ids(arr, ts)
         assert sure.tolist() == _sure_ids_by_regex(arr, ts).tolist()
         assert _sure_ids(arr).tolist() == _sure_ids_by_regex(arr).tolist()

@@ -283,6 +283,8 @@ _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 _SURE_PREFIX = rf"^{_PART}$"
 _TS_DIGITS = 16
 _PARTS_SAMPLE, _PARTS_DISTINCT = 256, 8  # parts matched each, not once, where a sample's are over 1 in 8 distinct
+_PARTS_TRIED = 4  # a sample's parts tried each against every row, where it holds at most this many
+_SURE_PART = re.compile(_PART.encode())  # _SURE_PREFIX for one part, in Python
 _TAIL = 24  # bytes read at an id's end as three 64-bit words: "-" the last byte of the first, 16 digits in two more
 _U64 = np.uint64
 _ZEROS, _NIBBLES, _SIXES = _U64(0x3030303030303030), _U64(0xF0F0F0F0F0F0F0F0), _U64(0x0606060606060606)
@@ -336,21 +338,55 @@ def _sure_ids(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> 
         return _sure_ids_by_regex(arr, ts)
     if ts is not None:
         ok &= (_eight_digits_value(high) * _U64(100_000_000) + _eight_digits_value(low)).view(np.int64) == ts
-    parts = pc.binary_slice(ids, 0, -(_TS_DIGITS + 1))
-    # Parts mostly distinct (ids from thousands of servers): the dictionary would cost more than it saves, so each
-    # is matched (a sample of them decides, for a fraction of the dictionary's cost).
-    sample = parts.slice(0, _PARTS_SAMPLE).to_pylist()
-    if len(set(sample)) * _PARTS_DISTINCT > len(sample):
-        sure = pc.fill_null(pc.match_substring_regex(parts, _SURE_PREFIX), False).to_numpy(zero_copy_only=False)
-        ok &= sure
-    else:
-        encoded = pc.dictionary_encode(parts)
-        sure = pc.fill_null(pc.match_substring_regex(encoded.dictionary, _SURE_PREFIX), False)
-        ok &= sure.to_numpy(zero_copy_only=False)[pc.fill_null(encoded.indices, 0).to_numpy()]
+    ok &= _sure_parts(ids, lengths, fast)
     rest = np.flatnonzero(~fast)
     if len(rest):
         ok[rest] = _sure_ids_by_regex(arr.take(pa.array(rest)), None if ts is None else ts[rest])
     return ok
+
+
+def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndarray:
+    """Per row of ``fast`` (an id ending in "-" and 16 digits): its part before that "-" matches ``_SURE_PREFIX``.
+
+    A file's ids come mostly from one or two servers: the few parts of a sample of rows are tried first, each found
+    by the rows that start with it and are as long as it and a timestamp (no copy of the parts, no hashing). Where
+    the sample holds more parts, or they leave many rows, each distinct part is matched once (Arrow's dictionary);
+    where parts are mostly distinct (ids from thousands of servers), each row's is."""
+    n = len(ids)
+    head = pc.binary_slice(ids.slice(0, _PARTS_SAMPLE), 0, -(_TS_DIGITS + 1)).to_pylist()
+    queue = list({part for part, f in zip(head, fast[:_PARTS_SAMPLE].tolist(), strict=True) if f})
+    if len(queue) <= _PARTS_TRIED:
+        sure, found = np.zeros(n, bool), np.zeros(n, bool)
+        left = np.flatnonzero(fast)  # always holds every row of fast that no part tried has found
+        for _ in range(_PARTS_TRIED):
+            if not queue:  # the sample's parts are tried: next, the part of a row they left, if many are left
+                if len(left) * _PARTS_DISTINCT <= n:
+                    break
+                queue.append(ids[int(left[0])].as_py()[: -(_TS_DIGITS + 1)])
+            part = queue.pop()
+            try:
+                text = part.decode("utf-8")
+            except UnicodeDecodeError:  # not a part, then: its rows are left to the paths below
+                break
+            rows = pc.starts_with(ids, text).to_numpy(zero_copy_only=False) & (lengths == len(part) + _TS_DIGITS + 1)
+            found |= rows
+            if _SURE_PART.fullmatch(part):
+                sure |= rows
+            if not queue:
+                left = np.flatnonzero(fast & ~found)
+        if len(left) * _PARTS_DISTINCT <= n:
+            if len(left):
+                rest = pc.binary_slice(ids.take(pa.array(left)), 0, -(_TS_DIGITS + 1))
+                sure[left] = pc.fill_null(pc.match_substring_regex(rest, _SURE_PREFIX), False).to_numpy(
+                    zero_copy_only=False
+                )
+            return sure
+    parts = pc.binary_slice(ids, 0, -(_TS_DIGITS + 1))
+    if len(set(head)) * _PARTS_DISTINCT > len(head):
+        return pc.fill_null(pc.match_substring_regex(parts, _SURE_PREFIX), False).to_numpy(zero_copy_only=False)
+    encoded = pc.dictionary_encode(parts)
+    sure_of = pc.fill_null(pc.match_substring_regex(encoded.dictionary, _SURE_PREFIX), False)
+    return sure_of.to_numpy(zero_copy_only=False)[pc.fill_null(encoded.indices, 0).to_numpy()]
 
 
 def _sure_ids_by_regex(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
