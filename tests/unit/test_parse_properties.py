@@ -580,14 +580,15 @@ def _shared_parts() -> st.SearchStrategy[tuple[list[str | None], list[int]]]:
     rows=_shared_parts(),
     large=st.booleans(),
     offset=st.integers(0, 2),
-    path=st.sampled_from(["tried", "dictionary", "each"]),
+    tried=st.sampled_from([4, 1, -1]),
+    each=st.booleans(),
     sample=st.integers(1, 16),
 )
 def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
-    rows: tuple[list[str | None], list[int]], large: bool, offset: int, path: str, sample: int
+    rows: tuple[list[str | None], list[int]], large: bool, offset: int, tried: int, each: bool, sample: int
 ) -> None:
-    """``_sure_ids`` decides the part before a 16-digit timestamp by the parts of a sample tried on every row (and a
-    match of each row they leave), by a match of each distinct part, or of each row's, and reads the timestamp as
+    """``_sure_ids`` decides the part before a 16-digit timestamp by the parts of a sample tried on every row (or
+    none tried), then the rows left by a match of each distinct part or of each row's, and reads the timestamp as
     two words: it answers exactly as a regex match of each id and its digits read one by one
     (``_sure_ids_by_regex``), and accepts nothing the reference (``valid_ids``) refuses or with another timestamp;
     for string and large string arrays, sliced or not, with nulls, whatever the sample holds."""
@@ -600,10 +601,10 @@ def test_the_id_check_by_shared_parts_agrees_with_a_match_of_each_id(
     ids, ts_list = rows
     ts = np.array(ts_list, np.int64)
     arr = pa.array(["x" * 30] * offset + ids, pa.large_string() if large else pa.string()).slice(offset)
-    # A sample's parts tried on every row, each distinct part matched once, or each row's.
+    # Parts tried on every row (at most 4 or 1, or none), then each distinct part matched once, or each row's.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parse, "_PARTS_TRIED", 4 if path == "tried" else -1)
-        mp.setattr(parse, "_PARTS_DISTINCT", 1 << 30 if path == "each" else 0)
+        mp.setattr(parse, "_PARTS_TRIED", tried)
+        mp.setattr(parse, "_PARTS_DISTINCT", 1 << 30 if each else 0)
         mp.setattr(parse, "_PARTS_SAMPLE", sample)
         sure = _sure_ids(arr, ts)
         assert sure.tolist() == _sure_ids_by_regex(arr, ts).tolist()

@@ -349,44 +349,46 @@ def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndar
     """Per row of ``fast`` (an id ending in "-" and 16 digits): its part before that "-" matches ``_SURE_PREFIX``.
 
     A file's ids come mostly from one or two servers: the few parts of a sample of rows are tried first, each found
-    by the rows that start with it and are as long as it and a timestamp (no copy of the parts, no hashing). Where
-    the sample holds more parts, or they leave many rows, each distinct part is matched once (Arrow's dictionary);
-    where parts are mostly distinct (ids from thousands of servers), each row's is."""
+    by the rows that start with it and are as long as it and a timestamp (no copy of the parts, no hashing), then
+    the part of a row they left, up to ``_PARTS_TRIED`` parts; the rows left after that, or all of them where the
+    sample holds more parts, are decided by ``_parts_matched``."""
     n = len(ids)
     head = pc.binary_slice(ids.slice(0, _PARTS_SAMPLE), 0, -(_TS_DIGITS + 1)).to_pylist()
     queue = list({part for part, f in zip(head, fast[:_PARTS_SAMPLE].tolist(), strict=True) if f})
-    if len(queue) <= _PARTS_TRIED:
-        sure, found = np.zeros(n, bool), np.zeros(n, bool)
-        left = np.flatnonzero(fast)  # always holds every row of fast that no part tried has found
-        for _ in range(_PARTS_TRIED):
-            if not queue:  # the sample's parts are tried: next, the part of a row they left, if many are left
-                if len(left) * _PARTS_DISTINCT <= n:
-                    break
-                queue.append(ids[int(left[0])].as_py()[: -(_TS_DIGITS + 1)])
-            part = queue.pop()
-            try:
-                text = part.decode("utf-8")
-            except UnicodeDecodeError:  # not a part, then: its rows are left to the paths below
+    if len(queue) > _PARTS_TRIED:
+        return _parts_matched(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))
+    sure, found = np.zeros(n, bool), np.zeros(n, bool)
+    left = np.flatnonzero(fast)  # always holds every row of fast that no part tried has found
+    for _ in range(_PARTS_TRIED):
+        if not queue:  # the sample's parts are tried: next, the part of a row they left, if many are left
+            if len(left) * _PARTS_DISTINCT <= n:
                 break
-            rows = pc.starts_with(ids, text).to_numpy(zero_copy_only=False) & (lengths == len(part) + _TS_DIGITS + 1)
-            found |= rows
-            if _SURE_PART.fullmatch(part):
-                sure |= rows
-            if not queue:
-                left = np.flatnonzero(fast & ~found)
-        if len(left) * _PARTS_DISTINCT <= n:
-            if len(left):
-                rest = pc.binary_slice(ids.take(pa.array(left)), 0, -(_TS_DIGITS + 1))
-                sure[left] = pc.fill_null(pc.match_substring_regex(rest, _SURE_PREFIX), False).to_numpy(
-                    zero_copy_only=False
-                )
-            return sure
-    parts = pc.binary_slice(ids, 0, -(_TS_DIGITS + 1))
-    if len(set(head)) * _PARTS_DISTINCT > len(head):
+            queue.append(ids[int(left[0])].as_py()[: -(_TS_DIGITS + 1)])
+        part = queue.pop()
+        try:
+            text = part.decode("utf-8")
+        except UnicodeDecodeError:  # not a part, then: its rows are left to _parts_matched
+            break
+        rows = pc.starts_with(ids, text).to_numpy(zero_copy_only=False) & (lengths == len(part) + _TS_DIGITS + 1)
+        found |= rows
+        if _SURE_PART.fullmatch(part):
+            sure |= rows
+        if not queue:
+            left = np.flatnonzero(fast & ~found)
+    if len(left):
+        sure[left] = _parts_matched(pc.binary_slice(ids.take(pa.array(left)), 0, -(_TS_DIGITS + 1)))
+    return sure
+
+
+def _parts_matched(parts: pa.Array) -> np.ndarray:
+    """Per part: it matches ``_SURE_PREFIX``. Each distinct part is matched once (Arrow's dictionary), unless a
+    sample's are mostly distinct (ids from thousands of servers): then each row's, for less than the dictionary."""
+    sample = parts.slice(0, _PARTS_SAMPLE).to_pylist()
+    if len(set(sample)) * _PARTS_DISTINCT > len(sample):
         return pc.fill_null(pc.match_substring_regex(parts, _SURE_PREFIX), False).to_numpy(zero_copy_only=False)
     encoded = pc.dictionary_encode(parts)
-    sure_of = pc.fill_null(pc.match_substring_regex(encoded.dictionary, _SURE_PREFIX), False)
-    return sure_of.to_numpy(zero_copy_only=False)[pc.fill_null(encoded.indices, 0).to_numpy()]
+    sure = pc.fill_null(pc.match_substring_regex(encoded.dictionary, _SURE_PREFIX), False)
+    return sure.to_numpy(zero_copy_only=False)[pc.fill_null(encoded.indices, 0).to_numpy()]
 
 
 def _sure_ids_by_regex(col: pa.ChunkedArray | pa.Array, ts: np.ndarray | None = None) -> np.ndarray:
