@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
 import os
+import pwd
 import re
+import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -447,6 +451,29 @@ _EMBEDDED_TUNING = {
 }
 
 
+# PostgreSQL and Patroni refuse to run as root; as root, servers run as this user (the pgserver wheel's own too).
+SERVER_USER = "pgserver"
+_USERADD_LOCK = Path(tempfile.gettempdir()) / "photon-useradd.lock"
+
+
+def server_user(name: str = SERVER_USER) -> pwd.struct_passwd | None:
+    """The user PostgreSQL servers run as: ``name`` when we are root (created if missing), else None (ourselves).
+
+    One process at a time creates it: ``useradd`` run by several processes at once writes /etc/passwd from what each
+    read, so a later one may drop an earlier one's entry, and the earlier process keep a uid nobody has (a test
+    run's workers did, each then failing with "Permission denied" on the folders it had given that uid)."""
+    if os.geteuid() != 0:
+        return None
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(name)
+    with open(_USERADD_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)  # made while we waited
+        subprocess.run(["useradd", "--system", "--no-create-home", name], check=True, capture_output=True)
+        return pwd.getpwnam(name)
+
+
 class EmbeddedPostgres:
     """A PostgreSQL in a local folder (the pgserver wheel's binaries), shared by every process that uses the folder.
 
@@ -465,6 +492,7 @@ class EmbeddedPostgres:
             warnings.simplefilter("ignore")
             import pgserver  # imported lazily: only machines without a DSN need it
 
+        server_user()  # pgserver would create it without a lock, racing other processes (see server_user)
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         fresh = not (self.folder / "PG_VERSION").exists()
         with pgserver.PostgresServer._lock:

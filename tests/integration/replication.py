@@ -18,11 +18,11 @@ from pathlib import Path
 
 import psycopg2
 
-from photon.pg import autocommit
-from photon.registry.cluster import _free_port, _run_as, bin_dir
+from photon.pg import autocommit, server_user
+from photon.registry.cluster import _free_port, bin_dir
 
 # The cluster's own helpers: the same binaries, the same unprivileged user as root, a free port.
-_USER = _run_as()
+_USER = server_user()
 _SYSTEM_USER = _USER.pw_name if _USER is not None else None
 
 

@@ -34,12 +34,12 @@ import psycopg2
 import psycopg2.extensions
 import yaml
 
+from photon.pg import SERVER_USER, server_user
+
 SCOPE = "photon-registry"
 NODES = ("node1", "node2", "node3")
 SUPERUSER = "postgres"
 REPLICATOR = "replicator"
-# Patroni and PostgreSQL refuse to run as root; the pgserver wheel runs its server as this user too.
-RUN_AS = "pgserver"
 DEBIAN_BIN_DIR = Path("/usr/lib/postgresql/15/bin")
 # What `synchronous_standby_names` must look like before the cluster counts as up: a real ANY/FIRST list. Patroni
 # 4.1.5 in quorum + strict mode can write `ANY None (*)` at bootstrap, which PostgreSQL rejects, leaving the primary
@@ -82,17 +82,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_as() -> pwd.struct_passwd | None:
-    """The user the processes run as: RUN_AS when we are root (created if missing), else ourselves."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        return pwd.getpwnam(RUN_AS)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", RUN_AS], check=True, capture_output=True)
-        return pwd.getpwnam(RUN_AS)
-
-
 def _reachable_by_others(path: Path) -> bool:
     """Whether a user other than the owner can traverse to ``path`` and execute it (o+x all the way down)."""
     return all(p.stat().st_mode & 0o001 for p in [path, *path.parents])
@@ -107,7 +96,7 @@ def _python_for(user: pwd.struct_passwd | None) -> tuple[list[str], dict[str, st
     system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
     if not (system.exists() and _reachable_by_others(system.resolve())):
         raise ClusterError(
-            f"{RUN_AS} cannot run {sys.executable} (it lies in a private folder) and there is no {system}: "
+            f"{SERVER_USER} cannot run {sys.executable} (it lies in a private folder) and there is no {system}: "
             f"install python{sys.version_info.major}.{sys.version_info.minor} or a Python outside /root"
         )
     paths = [p for p in sys.path if p and Path(p).is_dir() and "site-packages" in p]
@@ -131,7 +120,7 @@ class LocalCluster:
     def up(self, timeout: float = 120.0) -> str:
         """Start etcd and the three nodes (or what is not running of them) and wait until a primary accepts
         writes, both standbys stream and one acknowledges commits synchronously. Returns the DSN."""
-        user = _run_as()
+        user = server_user()
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "logs").mkdir(exist_ok=True)
         if not self.state:
@@ -146,7 +135,7 @@ class LocalCluster:
             for name in NODES:
                 self._write_patroni_config(name)
             self._write_pgpass()
-        if user is not None:  # the processes write here as RUN_AS
+        if user is not None:  # the processes write here as SERVER_USER
             for path in [self.folder, *self.folder.rglob("*")]:
                 os.chown(path, user.pw_uid, user.pw_gid)
             for parent in self.folder.parents:  # and must reach it (as pgserver does: pytest's folders are 700)
@@ -223,11 +212,11 @@ class LocalCluster:
                     "replication": {"username": REPLICATOR, "password": self.state["replication_password"]},
                 },
                 "parameters": {
-                    "unix_socket_directories": str(home),  # not /var/run/postgresql, which RUN_AS cannot write
+                    "unix_socket_directories": str(home),  # not /var/run/postgresql, which SERVER_USER cannot write
                     "shared_buffers": "64MB",
                 },
                 # Only 127.0.0.1, every login with a password (the project's roles and the replication user); the
-                # socket, in a folder only RUN_AS can enter, for Patroni's own local checks.
+                # socket, in a folder only SERVER_USER can enter, for Patroni's own local checks.
                 "pg_hba": [
                     "local all all trust",
                     f"host replication {REPLICATOR} 127.0.0.1/32 scram-sha-256",
@@ -247,7 +236,7 @@ class LocalCluster:
         path.chmod(0o600)  # libpq ignores a passfile others can read
 
     def _spawn(self, key: str, argv: list[str], env_extra: dict[str, str] | None = None) -> None:
-        user = _run_as()
+        user = server_user()
         log = open(self.folder / "logs" / f"{key}.log", "ab")  # noqa: SIM115 - the child keeps it
         extra: dict[str, Any] = {}
         if user is not None:
@@ -296,7 +285,7 @@ class LocalCluster:
             time.sleep(0.2)
 
     def _start_node(self, name: str) -> None:
-        python, env = _python_for(_run_as())
+        python, env = _python_for(server_user())
         self._spawn(name, [*python, "-m", "patroni", str(self.folder / name / "patroni.yml")], env)
 
     def _wait_ready(self, timeout: float) -> None:
