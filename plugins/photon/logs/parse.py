@@ -24,6 +24,7 @@ generator makes, on every kind EVENTS.md lists, and on Hypothesis's random lines
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from collections.abc import Sequence
@@ -354,11 +355,12 @@ def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndar
     sample holds more parts, are decided by ``_parts_matched``."""
     n = len(ids)
     head = pc.binary_slice(ids.slice(0, _PARTS_SAMPLE), 0, -(_TS_DIGITS + 1)).to_pylist()
-    queue = list({part for part, f in zip(head, fast[:_PARTS_SAMPLE].tolist(), strict=True) if f})
-    if len(queue) > _PARTS_TRIED:
+    counts = collections.Counter(part for part, f in zip(head, fast[:_PARTS_SAMPLE].tolist(), strict=True) if f)
+    if len(counts) > _PARTS_TRIED:
         return _parts_matched(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))
+    queue = sorted(counts, key=counts.__getitem__)  # the sample's most frequent part last: tried first
     sure, found = np.zeros(n, bool), np.zeros(n, bool)
-    left = np.flatnonzero(fast)  # always holds every row of fast that no part tried has found
+    left = np.flatnonzero(fast)
     for _ in range(_PARTS_TRIED):
         if not queue:  # the sample's parts are tried: next, the part of a row they left, if many are left
             if len(left) * _PARTS_DISTINCT <= n:
@@ -373,9 +375,14 @@ def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndar
         found |= rows
         if _SURE_PART.fullmatch(part):
             sure |= rows
+        if np.count_nonzero(rows) * _PARTS_TRIED < n:  # a part of few rows: the rest are spread wider, for a dictionary
+            break
         if not queue:
             left = np.flatnonzero(fast & ~found)
-    if len(left):
+    left = np.flatnonzero(fast & ~found)
+    if 2 * len(left) > n:  # most rows: all of them, rather than a copy of most
+        sure[left] = _parts_matched(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))[left]
+    elif len(left):
         sure[left] = _parts_matched(pc.binary_slice(ids.take(pa.array(left)), 0, -(_TS_DIGITS + 1)))
     return sure
 
