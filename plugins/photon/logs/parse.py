@@ -354,15 +354,15 @@ def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndar
     the part of a row they left, up to ``_PARTS_TRIED`` parts; the rows left after that, or all of them where the
     sample holds more parts, are decided by ``_parts_matched``."""
     n = len(ids)
-    head = pc.binary_slice(ids.slice(0, _PARTS_SAMPLE), 0, -(_TS_DIGITS + 1)).to_pylist()
+    head = _parts_of(ids.slice(0, _PARTS_SAMPLE)).to_pylist()
     counts = collections.Counter(part for part, f in zip(head, fast[:_PARTS_SAMPLE].tolist(), strict=True) if f)
     if len(counts) > _PARTS_TRIED:
-        return _parts_matched(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))
+        return _parts_matched(_parts_of(ids))
     queue = sorted(counts, key=counts.__getitem__)  # the sample's most frequent part last: tried first
     sure, found = np.zeros(n, bool), np.zeros(n, bool)
-    left = np.flatnonzero(fast)
     for _ in range(_PARTS_TRIED):
         if not queue:  # the sample's parts are tried: next, the part of a row they left, if many are left
+            left = np.flatnonzero(fast & ~found)
             if len(left) * _PARTS_DISTINCT <= n:
                 break
             queue.append(ids[int(left[0])].as_py()[: -(_TS_DIGITS + 1)])
@@ -377,14 +377,17 @@ def _sure_parts(ids: pa.Array, lengths: np.ndarray, fast: np.ndarray) -> np.ndar
             sure |= rows
         if np.count_nonzero(rows) * _PARTS_TRIED < n:  # a part of few rows: the rest are spread wider, for a dictionary
             break
-        if not queue:
-            left = np.flatnonzero(fast & ~found)
     left = np.flatnonzero(fast & ~found)
     if 2 * len(left) > n:  # most rows: all of them, rather than a copy of most
-        sure[left] = _parts_matched(pc.binary_slice(ids, 0, -(_TS_DIGITS + 1)))[left]
+        sure[left] = _parts_matched(_parts_of(ids))[left]
     elif len(left):
-        sure[left] = _parts_matched(pc.binary_slice(ids.take(pa.array(left)), 0, -(_TS_DIGITS + 1)))
+        sure[left] = _parts_matched(_parts_of(ids.take(pa.array(left))))
     return sure
+
+
+def _parts_of(ids: pa.Array) -> pa.Array:
+    """Each id's bytes before its last 17 (the "-" and 16 digits of a fast row's timestamp)."""
+    return pc.binary_slice(ids, 0, -(_TS_DIGITS + 1))
 
 
 def _parts_matched(parts: pa.Array) -> np.ndarray:
