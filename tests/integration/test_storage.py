@@ -1,0 +1,232 @@
+"""The storage interface (photon.storage) on a folder and on a real S3 server (SeaweedFS, photon.tools.storage_server)
+behaves as one: random sequences of puts, puts-if-absent, deletes, listings from a mark and ranged reads give the same
+answers on both and on a plain dict; racing writers of one key by put-if-absent leave exactly one winner on both;
+a wrong key, a wrong secret, a missing object and a foreign URL are clear one-line errors; the server listens on
+loopback only, keeps its key to itself (mode 600) and stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from photon.storage import LocalStore, NotFoundError, S3Store, StorageError, open_store
+from photon.tools import storage_server
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[storage_server.Server]:
+    folder = tmp_path_factory.mktemp("s3")
+    s = storage_server.start(folder)
+    try:
+        yield s
+    finally:
+        storage_server.stop(folder)
+
+
+@pytest.fixture
+def bucket(server: storage_server.Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bucket of the test's own, the AWS variables pointing at the server."""
+    name = f"t-{secrets.token_hex(6)}"
+    storage_server.create_bucket(server, name)
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return name
+
+
+# Keys from a few parts, so that random operations hit the same keys, and whose order tests the listing's: "a-b/x"
+# sorts before "a/x" (as S3 lists, by bytes), non-ASCII after ASCII. Two parts each: a folder cannot hold a file and a
+# folder of one name ("a" and "a/b"), a bucket can; the project never writes such keys.
+PARTS = st.sampled_from(["a", "a-b", "b", "ü", "x.jsonl", ".m", "20260101"])
+KEYS = st.tuples(PARTS, PARTS).map("/".join)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), KEYS, st.binary(max_size=40), st.booleans()),
+        st.tuples(st.just("delete"), KEYS),
+        st.tuples(st.just("list"), st.sampled_from(["", "a", "a/", "a-b", "b/", "ü"]), st.one_of(st.none(), KEYS)),
+        st.tuples(st.just("ranges"), KEYS, st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=3)),
+        st.tuples(st.just("get"), KEYS),
+    ),
+    max_size=25,
+)
+
+
+def run(store: LocalStore | S3Store, ops: list[tuple]) -> list[object]:
+    said: list[object] = []
+    for op in ops:
+        try:
+            if op[0] == "put":
+                said.append(store.put(op[1], op[2], if_absent=op[3]))
+            elif op[0] == "delete":
+                store.delete(op[1])
+                said.append(None)
+            elif op[0] == "list":
+                said.append([(e.key, e.size) for e in store.listing(op[1], after=op[2])])
+            elif op[0] == "ranges":
+                said.append(store.get_ranges(op[1], [(s, max(s, e)) for s, e in op[2]]))
+            else:
+                said.append(store.get(op[1]))
+        except NotFoundError:
+            said.append("not found")
+        except StorageError as exc:
+            said.append(f"error: {type(exc).__name__}")
+    return said
+
+
+def model(ops: list[tuple]) -> list[object]:
+    objects: dict[str, bytes] = {}
+    said: list[object] = []
+    for op in ops:
+        if op[0] == "put":
+            if op[3] and op[1] in objects:
+                said.append(False)
+                continue
+            objects[op[1]] = op[2]
+            said.append(True)
+        elif op[0] == "delete":
+            objects.pop(op[1], None)
+            said.append(None)
+        elif op[0] == "list":
+            under = [k for k in objects if not op[1] or k.startswith(op[1].rstrip("/") + "/")]
+            keys = sorted((k for k in under if op[2] is None or k > op[2]), key=str.encode)
+            said.append([(k, len(objects[k])) for k in keys])
+        elif op[1] not in objects:
+            said.append("not found")
+        elif op[0] == "ranges":
+            said.append([objects[op[1]][s : max(s, e)] for s, e in op[2]])
+        else:
+            said.append(objects[op[1]])
+    return said
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_a_folder_and_a_bucket_answer_every_sequence_of_operations_alike(
+    ops: list[tuple], bucket: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    prefix = secrets.token_hex(4)
+    local = LocalStore(tmp_path_factory.mktemp("local"))
+    s3 = S3Store(f"s3://{bucket}/{prefix}")
+    want = model(ops)
+    assert run(local, ops) == want
+    assert run(s3, ops) == want
+
+
+RACE = """
+import sys
+from photon.storage import open_store
+store = open_store(sys.argv[1])
+print(sum(store.put(f"race/{r}", sys.argv[2].encode(), if_absent=True) for r in range(int(sys.argv[3]))))
+"""
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_racing_writers_of_a_key_by_put_if_absent_leave_exactly_one_winner(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = str(tmp_path / "store") if where == "folder" else f"s3://{request.getfixturevalue('bucket')}/p"
+    rounds, writers = 30, 8
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACE, url, f"w{i}", str(rounds)], env=env, stdout=subprocess.PIPE)
+        for i in range(writers)
+    ]
+    wins = [int(p.communicate(timeout=300)[0]) for p in procs]
+    assert sum(wins) == rounds, wins  # each round exactly one winner
+    store = open_store(url)
+    bodies = [store.get(f"race/{r}") for r in range(rounds)]
+    assert all(b in {f"w{i}".encode() for i in range(writers)} for b in bodies)  # whole, one writer's
+    assert sorted(e.key for e in store.listing("race/")) == sorted(f"race/{r}" for r in range(rounds))
+
+
+def test_errors_are_one_line_and_name_the_store_never_the_secret(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(f"s3://{bucket}/p")
+    with pytest.raises(NotFoundError, match=rf"^s3://{bucket}/p: nothing: "):
+        store.get("nothing")
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StorageError) as denied:
+        open_store(f"s3://{bucket}/p").put("k", b"1")
+    assert str(denied.value).startswith(f"s3://{bucket}/p: k: ") and "privileges" in str(denied.value)
+    assert "\n" not in str(denied.value) and secret not in str(denied.value)
+    for bad in ("", "/abs", "a//b", "a/../b", "./a"):
+        with pytest.raises(StorageError, match="not a key"):
+            store.put(bad, b"1")
+    with pytest.raises(StorageError, match="not a folder or an s3:// URL"):
+        open_store("gs://bucket/x")
+
+
+def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(server: storage_server.Server) -> None:
+    assert storage_server.start(server.folder) == server  # a second start finds it running
+    proc = psutil.Process(server.pid)
+    listening = [c.laddr for p in [proc, *proc.children(recursive=True)] for c in p.net_connections("inet")]
+    listening = [a for a in listening if a]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+    cmd = proc.cmdline()
+    assert "-master.telemetry=false" in cmd and "-ip.bind=127.0.0.1" in cmd
+    for name in ("access-key", "secret-key", "s3.json"):
+        assert (server.folder / name).stat().st_mode & 0o077 == 0, name
+    assert server.env()["AWS_SECRET_ACCESS_KEY"] not in " ".join(cmd)  # never on a command line
+    assert json.loads((server.folder / "server.json").read_text())["pid"] == server.pid
+
+
+def both(bucket: str, tmp_path: Path) -> list[LocalStore | S3Store]:
+    return [LocalStore(tmp_path / secrets.token_hex(4)), S3Store(f"s3://{bucket}/{secrets.token_hex(4)}")]
+
+
+def test_listings_from_a_mark_and_past_a_page_are_in_byte_order_on_both(bucket: str, tmp_path: Path) -> None:
+    """Review: SeaweedFS applied StartAfter per folder level (keys after the mark left out, keys before it kept) and
+    listed folder by folder across 1,000-key pages ("a-b/x" after "a/0999")."""
+    for store in both(bucket, tmp_path):
+        for k in ("a/x", "a-b/x", "a0", "b/c/d", ".meta"):
+            store.put(k, b"")
+        marks = {
+            "a/x": ["a0", "b/c/d"],
+            "a/": ["a/x", "a0", "b/c/d"],
+            "a-b/x": ["a/x", "a0", "b/c/d"],
+            "b": ["b/c/d"],
+        }
+        for mark, want in marks.items():
+            assert [e.key for e in store.listing(after=mark)] == want, (store, mark)
+        assert [e.key for e in store.listing()] == [".meta", "a-b/x", "a/x", "a0", "b/c/d"], store
+    s3 = S3Store(f"s3://{bucket}/{secrets.token_hex(4)}")
+    keys = [f"a/{i:04d}" for i in range(1100)] + ["a-b/x", "a/z/q/r", "a0"]
+    for k in keys:
+        s3.put(k, b"")
+    assert [e.key for e in s3.listing()] == sorted(keys, key=str.encode)
+    assert [e.key for e in s3.listing("a", after="a/1098")] == ["a/1099", "a/z/q/r"]
+
+
+def test_ranges_past_the_end_folders_and_odd_keys_answer_alike_on_both(bucket: str, tmp_path: Path) -> None:
+    """Review: several ranges past the end made obstore panic; a folder's name read as an object raised raw OSErrors;
+    a backslash was a "/" on SeaweedFS; a 240-character part overflowed the folder's temporary name."""
+    answers = []
+    for store in both(bucket, tmp_path):
+        store.put("k", b"hello")
+        store.put("d/k", b"x")
+        said: list[object] = [store.get_ranges("k", [(2, 10), (7, 9)]), store.get_ranges("k", [(10, 20), (2, 100)])]
+        for key in ("d", "k/x"):  # a folder's name; a name under an object
+            with pytest.raises(NotFoundError):
+                store.get(key)
+            with pytest.raises(NotFoundError):
+                store.get_ranges(key, [(0, 1)])
+        said += [store.head("k/x"), store.head("d"), store.delete("d"), store.put("p" * 240, b"x")]
+        for bad in ("a\\b", "a\tb", "q" * 256, "x.photon-tmp"):
+            with pytest.raises(StorageError, match="not a key"):
+                store.put(bad, b"1")
+        with pytest.raises(StorageError, match="not a key"):
+            store.child("..")
+        answers.append(said)
+    assert answers[0] == answers[1] == [[b"llo", b""], [b"", b"llo"], None, None, None, True]
