@@ -14,7 +14,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality bench-parse lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality bench-parse bench-table lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -101,9 +101,26 @@ fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) "$(PY)" -m pytest -p no:cacheprovider --timeout=0 \
 	  tests/unit/test_parse_properties.py $(PYTEST_ARGS)
 
-# A shell with the venv active: `photon`, `airflow`, `spark-submit` on PATH.
+# A shell with the venv active: `photon`, `airflow`, `spark-submit` on PATH. Always bash, on an rc file of its own
+# written here each time: it sources ~/.bashrc (aliases and functions stay), then puts the venv first on PATH and sets
+# SPARK_HOME to the venv's pyspark, so a ~/.bashrc that puts another Python first no longer makes spark-submit stop
+# with "Could not find valid SPARK_HOME" (its launcher asks `python3` where pyspark is unless SPARK_HOME is set). A
+# prompt hook of the user's that moves PATH at each prompt (pyenv's, conda's) runs first; the venv goes first again after.
+SHELL_RC := $(CURDIR)/.photon/make-shell.bashrc
 shell: setup
-	@echo "photon venv: $(VENV) (exit to leave)"; VIRTUAL_ENV="$(VENV)" PATH="$(VENV)/bin:$$PATH" exec "$${SHELL:-/bin/bash}" -i
+	@set -e; mkdir -p "$(dir $(SHELL_RC))"; \
+	  spark_home="$$("$(PY)" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"; \
+	  { echo '# Written by `make shell` each time it starts: ~/.bashrc first, then the venv wins.'; \
+	    echo '[ -f ~/.bashrc ] && . ~/.bashrc'; \
+	    echo 'export VIRTUAL_ENV="$(VENV)" SPARK_HOME="'"$$spark_home"'" PYTHONPATH="$(PYTHONPATH)"'; \
+	    echo 'export PATH="$(VENV)/bin:$$PATH"'; \
+	    echo '_photon_venv_first() { case ":$$PATH:" in ":$(VENV)/bin:"*) ;; *) PATH="$(VENV)/bin:$$PATH"; hash -r;; esac; }'; \
+	    echo 'PROMPT_COMMAND="$${PROMPT_COMMAND:+$$PROMPT_COMMAND;}_photon_venv_first"'; \
+	    echo 'hash -r'; \
+	    echo 'PS1="(photon) $${PS1-\\$$ }"'; } > "$(SHELL_RC).tmp"; \
+	  mv "$(SHELL_RC).tmp" "$(SHELL_RC)"; \
+	  echo "photon venv: $(VENV); SPARK_HOME $$spark_home; rc file $(SHELL_RC) (exit to leave)"; \
+	  exec /bin/bash --rcfile "$(SHELL_RC)" -i
 
 demo: setup
 	"$(PY)" -m photon demo
@@ -142,6 +159,12 @@ bench-pipeline: setup
 bench-parse: setup
 	"$(PY)" -m bench.parse $(BENCH_ARGS)
 
+# 1,200 1-s batches (20 minutes' worth) into one pipeline's tables, then `photon table maintain`: commits, files,
+# files on disk, log files after the checkpoint and read time before and after, and the time maintenance takes (2-4
+# minutes; BENCH_ARGS="--commits 3600" for an hour's worth, about 11 minutes). Last line: JSON.
+bench-table: setup
+	"$(PY)" -m bench.table_maintenance $(BENCH_ARGS)
+
 # Trigger and lease-start cost at 20 k, 200 k and 2 M files seen (about 10 minutes; removes what it made).
 bench-discovery: setup
 	"$(PY)" -m bench.discovery $(BENCH_ARGS)
@@ -163,6 +186,7 @@ bench-handover-airflow: setup
 
 # The nemesis: live logs, seeded random faults (joiner SIGKILLs, the registry stopped hard, verify beside the joiners,
 # a replica outage, a data center lost for good), then a checker that reads files only. Last line: JSON.
+# Its temporary folder is removed once the run passed (CHAOS_ARGS="--keep" keeps it; a failed run's stays).
 # CHAOS_ARGS="--registry cluster": the registry on the local three-node Patroni cluster instead, its primary lost
 # (SIGKILL, a standby promoted) and the old one rejoining where the single server would be stopped hard.
 SEED ?= 1

@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.logs.schemas import JOINED_SCHEMA
+from photon.logs.tables import append_rows, ensure_tables
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
 
@@ -40,7 +41,14 @@ def synthetic_audit_input(root: Path, n: int) -> None:
     qids = pc.binary_join_element_wise("10.1.0.1-77-", pc.cast(pa.array(ts - 5_000_000), pa.string()), "")
     (root / "_manifest").mkdir(parents=True)
     pq.write_table(
-        pa.table({"click_id": ids, "query_id": qids, "expect": pa.array(["join"] * n)}),
+        pa.table(
+            {
+                "click_id": ids,
+                "query_id": qids,
+                "expect": pa.array(["join"] * n),
+                "click_ts_us": pa.array(ts, pa.int64()),
+            }
+        ),
         root / "_manifest" / "clicks.parquet",
     )
     pq.write_table(
@@ -59,9 +67,9 @@ def synthetic_audit_input(root: Path, n: int) -> None:
         k = int(np.count_nonzero(np.arange(n) % 2 == i))
         sel_ts = pa.array(ts).filter(mask)
         out = root / "out" / dc
-        for kind in ("joined", "unjoinable", "quarantine"):
-            (out / kind).mkdir(parents=True)
-        pq.write_table(
+        append_rows(
+            out,
+            "joined",
             pa.table(
                 {
                     "click_id": ids.filter(mask),
@@ -79,10 +87,9 @@ def synthetic_audit_input(root: Path, n: int) -> None:
                 },
                 schema=JOINED_SCHEMA,
             ),
-            out / "joined" / "part-0.parquet",
+            1,
         )
-        pq.write_table(UNJOINABLE_SCHEMA.empty_table(), out / "unjoinable" / "part-0.parquet")
-        pq.write_table(QUARANTINE_SCHEMA.empty_table(), out / "quarantine" / "part-0.parquet")
+        ensure_tables(out)  # unjoinable and quarantine: empty tables
 
 
 def main() -> None:

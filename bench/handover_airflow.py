@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 import psutil
-import pyarrow.parquet as pq
 
 from bench.handover import admin_dsn, generate, lease_running
+from photon.logs import tables
 from photon.pg import autocommit, create_database, drop_database
 from photon.registry.admin import init_registry
 from photon.tools.audit import audit
@@ -165,7 +165,7 @@ def measure(dsn: str, out: Path, logs: Path, logs_end_us: int, last_epoch: int) 
     report = audit(out, manifest=logs / "_manifest")
     near = None
     if handovers:
-        rows = pq.read_table(out / "dc-a" / "joined", columns=["click_ts_us", "joined_at_us"])
+        rows = tables.read(out, "joined", ["click_ts_us", "joined_at_us"], only=["dc-a"])
         ts, lat = (
             rows["click_ts_us"].to_numpy(),
             (rows["joined_at_us"].to_numpy() - rows["click_ts_us"].to_numpy()) / US,

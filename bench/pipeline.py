@@ -20,9 +20,12 @@
    generator writing both replicas while both joiners run in one Spark session; click latency percentiles from the
    audit, batch durations from the joiners. First with files shipped fast and clocks in step (the joiner's own
    latency), then once with the generator's realistic defaults.
+Every run of the joiner in this process also times each batch's table commit (photon.logs.tables.publish_batch: one
+Delta commit per table that got rows): p50 and p99 per workload and per live run.
 Last line: the figures as one JSON object (`events_per_s`, `peer_events_per_s`, `ratio_to_peer` of the default
-workload at the top; `ratio_to_peer_<workload>` and `ratio_whole_process_<workload>`, medians, for each workload;
-every workload's figures, runs and spreads under `workloads`).
+workload at the top, with its `table_commit_ms_p50` and `_p99`, and the top live rate's `live_table_commit_ms_p50`
+and `_p99`; `ratio_to_peer_<workload>` and `ratio_whole_process_<workload>`, medians, for each workload; every
+workload's figures, runs and spreads under `workloads`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from bench.side_by_side import (
     shuffled_clicks_workload,
     warm_up,
 )
+from bench.stages import commit_ms, commit_text, timed_table_commits
 from photon.joiner.common import BatchResult, JoinSettings
 from photon.joiner.lease import Joiner
 from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
@@ -139,13 +143,16 @@ def main() -> None:
                     f"live, {profile} workload, {rate:,.0f} events/s per replica, two pipelines: audit "
                     f"{'PASS' if run['ok'] else 'FAIL'}; click latency p50 {run['p50']}s p90 {run['p90']}s "
                     f"p99 {run['p99']}s; batch duration p50 {run['batch_p50']:.2f}s p90 {run['batch_p90']:.2f}s "
-                    f"({run['batches']} batches)"
+                    f"({run['batches']} batches); {commit_text(run)}"
                 )
         first = side.get("default") or next(iter(side.values()))
         summary: dict[str, Any] = {
             "events_per_s": first["events_per_s"],
             "peer_events_per_s": first["peer_events_per_s"],
             "ratio_to_peer": first["ratio_to_peer"],
+            # The table commit's cost per batch (photon.logs.tables.publish_batch), side by side: few large batches.
+            "table_commit_ms_p50": first["table_commit_ms_p50"],
+            "table_commit_ms_p99": first["table_commit_ms_p99"],
         }
         for name, r in side.items():
             summary[f"ratio_to_peer_{name}"] = r["ratio_to_peer"]
@@ -164,6 +171,9 @@ def main() -> None:
                     "p90_s": top["p90"],
                     "p99_s": top["p99"],
                     "live_events_per_s": top["rate"],
+                    # Live: many small batches, as in production.
+                    "live_table_commit_ms_p50": top["table_commit_ms_p50"],
+                    "live_table_commit_ms_p99": top["table_commit_ms_p99"],
                     "realistic_p50_s": real["p50"],
                     "realistic_p90_s": real["p90"],
                     "realistic_p99_s": real["p99"],
@@ -256,10 +266,11 @@ def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: flo
         j.run(until_caught_up=True, drain=True, on_batch=record)
 
     threads = [threading.Thread(target=gen)] + [threading.Thread(target=join, args=(d,)) for d in settings.dcs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with timed_table_commits() as commits:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     report = audit(out, manifest=logs / "_manifest")
     shutil.rmtree(root, ignore_errors=True)
     q = np.quantile(durations, [0.5, 0.9]) if durations else [0.0, 0.0]
@@ -271,6 +282,7 @@ def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: flo
         "batch_p50": float(q[0]),
         "batch_p90": float(q[1]),
         "batches": len(durations),
+        **commit_ms(commits),
     }
 
 

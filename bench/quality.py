@@ -3,20 +3,23 @@
 
 For each size (--clicks: clicks in the hour) the generator (`photon.tools.generator`) writes one hour of logs in two
 replicas at the default realism settings (files rotated every second, arrival partitions, duplicates, malformed lines),
-and its ground truth becomes the two pipelines' output as the joiners write it (`tests/integration/audit_fixtures`):
-dc-a joins the even clicks that must join, dc-b the odd ones, both give up the rest; every malformed line is
-quarantined by both. Two output shapes:
-- `batches`: one file per 1-s micro-batch, pipeline and kind (`b<k>-e1.parquet`, by the row's joined_at or decided_at),
-  as a live joiner publishes them: 7,200 joined files for an hour of two pipelines;
-- `one-file`: one file per pipeline and kind (a backfill's few large batches).
+and its ground truth becomes the two pipelines' output tables as the joiners write them (Delta tables partitioned by
+hour, `photon.logs.tables`): dc-a joins the even clicks that must join, dc-b the odd ones, both give up the rest;
+every malformed line is quarantined by both. Two output shapes:
+- `batches`: one data file per 1-s micro-batch, pipeline, kind and hour (by the row's joined_at or decided_at), as a
+  live joiner's tasks write them (`tables.stage_rows`): up to 7,200 joined files for an hour of two pipelines. They are
+  committed by `tables.publish_batch` --commit-every batches at a time (default 60: one commit a minute, 60 a table;
+  a live joiner commits each batch, 3,600 an hour, which delta-rs checkpoints every 100: a reader replays at most 99
+  commits either way, and the data files read are the same);
+- `one-file`: one batch per pipeline, a data file per kind and hour (a backfill's few large batches).
 Two site histories: `fresh` (an empty `_quality`), and `history`: --history earlier hours already checked (three
 validation results each, with their pages, copied from a real run under other run ids: what a month of hourly checks
 leaves in the Data Docs site).
-Each case runs --runs times after one untimed warm-up (which also fills the output index), idle and with --load N busy
-processes (pure-Python spinning loops this bench starts and stops), and prints each phase's median, min and max:
-input (listing and parsing the hour's click files), output (output index, the click_id scan), frames (joined,
-unjoinable, quarantine reads and pandas), gx_setup (context, suites, definitions, checkpoints), validation (the three
-checkpoint runs), data_docs (pages and index), localize (localize_data_docs), total. Last line: one JSON object.
+Each case runs --runs times after one untimed warm-up, idle and with --load N busy processes (pure-Python spinning
+loops this bench starts and stops), and prints each phase's median, min and max: input (listing and parsing the hour's
+click files), output (loading the tables' snapshots, the click_id scan), frames (joined, unjoinable, quarantine reads
+and pandas), gx_setup (context, suites, definitions, checkpoints), validation (the three checkpoint runs), data_docs
+(pages and index), localize (localize_data_docs), total. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from photon.logs import tables
 from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
 from photon.tools.generator import GeneratorSettings, generate
 from photon.tools.quality import QUALITY_DIR, QualitySettings, check_quality
@@ -53,17 +57,17 @@ def _spin() -> None:
         pass
 
 
-def synthetic_output(logs: Path, out: Path, shape: str, start_us: int) -> dict[str, int]:
-    """The two pipelines' output for the generator's ground truth, in ``shape`` (module docstring)."""
+def synthetic_output(logs: Path, out: Path, shape: str, start_us: int, commit_every: int) -> dict[str, int]:
+    """The two pipelines' output tables for the generator's ground truth, in ``shape`` (module docstring)."""
     m = pq.read_table(logs / "_manifest" / "clicks.parquet")
     files = pq.read_table(logs / "_manifest" / "files.parquet")
     rng = np.random.default_rng(7)
     must = pc.is_in(m["expect"], value_set=pa.array(["join", "either"]))
     joined, gave_up = m.filter(must), m.filter(pc.invert(must))
-    counts = {"joined_files": 0, "joined_rows": joined.num_rows}
+    counts = {"joined_rows": joined.num_rows}
     for i, dc in enumerate(("dc-a", "dc-b")):
         root = out / dc
-        root.mkdir(parents=True)
+        tables.ensure_tables(root)
         (root / "_pipeline.json").write_text(json.dumps({"pipeline": dc, "dc": dc}))
         mine = joined.filter(pa.array(np.arange(joined.num_rows) % 2 == i))
         k = mine.num_rows
@@ -115,25 +119,41 @@ def synthetic_output(logs: Path, out: Path, shape: str, start_us: int) -> dict[s
             },
             schema=QUARANTINE_SCHEMA,
         )
-        for kind, table, when in (
+        kinds = (
             ("joined", jt, "joined_at_us"),
             ("unjoinable", ut, "decided_at_us"),
             ("quarantine", qt, "decided_at_us"),
-        ):
-            folder = root / kind
-            folder.mkdir()
-            if shape == "one-file":
-                pq.write_table(table, folder / "b0000000001-e1.parquet")
-                counts["joined_files"] += kind == "joined"
-                continue
-            batch = pc.divide(pc.subtract(table[when], start_us), US).to_numpy()  # the 1-s micro-batch it was in
+        )
+        if shape == "one-file":
+            stage = out / "_staging" / dc
+            for kind, table, _ in kinds:
+                tables.stage_rows(root, kind, stage, "b0000000001-e1-p0", table, 1)
+            tables.publish_batch(root, dc, 1, stage)
+            shutil.rmtree(stage)
+            continue
+        # The 1-s micro-batch each row was decided in (batch 10^6 + k: second k of the hour; late clicks were decided
+        # before it began): one data file per batch, kind and hour as the tasks write them.
+        by_batch: dict[int, list[tuple[str, pa.Table]]] = {}
+        for kind, table, when in kinds:
+            batch = pc.divide(pc.subtract(table[when], start_us), US).to_numpy() + 10**6
             order = np.argsort(batch, kind="stable")
             table, batch = table.take(pa.array(order)), batch[order]
             edges = np.flatnonzero(np.diff(batch)) + 1
             for a, b in zip(np.r_[0, edges], np.r_[edges, len(batch)], strict=True):
                 if b > a:
-                    pq.write_table(table.slice(a, b - a), folder / f"b{int(batch[a]) + 10**6:010d}-e1.parquet")
-                    counts["joined_files"] += kind == "joined"
+                    by_batch.setdefault(int(batch[a]), []).append((kind, table.slice(a, b - a)))
+        group: list[int] = []
+        stage = out / "_staging" / dc
+        last = max(by_batch)
+        for k in sorted(by_batch):
+            for kind, part in by_batch[k]:
+                tables.stage_rows(root, kind, stage, f"b{k:010d}-e1-p0", part, k)
+            group.append(k)
+            if len(group) == commit_every or k == last:
+                tables.publish_batch(root, dc, k, stage)
+                shutil.rmtree(stage)
+                group.clear()
+    counts["joined_files"] = sum(t.table().get_add_actions().num_rows for t in tables.tables(out, "joined"))
     return counts
 
 
@@ -193,6 +213,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", choices=("batches", "one-file"), default=["batches", "one-file"])
     ap.add_argument("--history", type=int, default=720, help="earlier hours in the 'history' site (720: a month)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--commit-every", type=int, default=60, help="batches: 1-s batches per Delta commit (60: one a minute)"
+    )
     ap.add_argument("--load", type=int, default=2, help="busy processes for the loaded runs (0: idle only)")
     ap.add_argument("--root", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     args = ap.parse_args()
@@ -218,10 +241,10 @@ def main() -> None:
             )
             for shape in args.shapes:
                 out = tmp / f"out-{clicks}-{shape}"
-                counts = synthetic_output(logs, out, shape, start)
+                counts = synthetic_output(logs, out, shape, start, args.commit_every)
                 for history in ("fresh", "history"):
                     shutil.rmtree(out / QUALITY_DIR, ignore_errors=True)
-                    check_quality(out, logs, start, start + HOUR, settings)  # warm-up: imports, the output index
+                    check_quality(out, logs, start, start + HOUR, settings)  # warm-up: imports, the page cache
                     if history == "history":
                         copy_history(out / QUALITY_DIR, args.history)
                         check_quality(out, logs, start, start + HOUR, settings)  # pages of the copies localized

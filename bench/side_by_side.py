@@ -28,9 +28,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from bench.peer import configure, run_peer
-from bench.stages import DriverClock, last_stage_id, replay, spark_stages
+from bench.stages import DriverClock, commit_ms, commit_text, last_stage_id, replay, spark_stages, timed_table_commits
 from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
+from photon.logs import tables
 from photon.pg import EmbeddedPostgres, create_database
 from photon.registry.admin import init_registry
 from photon.tools.generator import GeneratorSettings, generate
@@ -146,7 +147,13 @@ def _seconds(v: float) -> str:
     return f"{v:.1f}"
 
 
-def _ids(folder: Path) -> pa.Array:
+def _joiner_ids(out: Path) -> pa.Array:
+    """The click ids in the joiner's joined table under ``out``: its committed rows, through the Delta log."""
+    return tables.read(out, "joined", ["click_id"], only=[DC])["click_id"].combine_chunks()
+
+
+def _peer_ids(folder: Path) -> pa.Array:
+    """The click ids the peer wrote: plain Parquet files of its own sink (no table)."""
     if not folder.is_dir():
         return pa.array([], pa.string())
     return ds.dataset(str(folder), format="parquet").to_table(columns=["click_id"]).column("click_id").combine_chunks()
@@ -163,15 +170,17 @@ def run_joiner(spark: Any, servers: dict[str, str], logs: Path, out: Path) -> di
     clock = DriverClock()
     clock.attach(joiner)
     since = last_stage_id(spark)
-    t0 = time.perf_counter()
-    results = joiner.run(until_caught_up=True, drain=True)
-    seconds = time.perf_counter() - t0
+    with timed_table_commits() as commits:
+        t0 = time.perf_counter()
+        results = joiner.run(until_caught_up=True, drain=True)
+        seconds = time.perf_counter() - t0
     return {
         "seconds": seconds,
         "batches": len(results),
         "joined": sum(int(r.metrics.get("joined", 0)) for r in results),
         "unjoinable": sum(int(r.metrics.get("unjoinable", 0)) for r in results),
         "driver": clock.seconds(results),
+        "table_commit_s": commits,
         "stages": spark_stages(spark, since),
     }
 
@@ -198,7 +207,7 @@ def _whole_process(
     if proc.returncode != 0:
         raise RuntimeError(f"whole-process {role} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     if role == "joiner":
-        return {"wall_s": wall, "joined": ds.dataset(str(out / DC / "joined"), format="parquet").count_rows()}
+        return {"wall_s": wall, "joined": len(_joiner_ids(out))}
     return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
@@ -257,7 +266,8 @@ def run_workload(
     j_rate, p_rate = events / statistics.median(j_s), events / statistics.median(p_s)
     ratio = statistics.median(ratios)
     j, p = j_runs[0], p_runs[0]
-    j_ids, p_ids = _ids(root / "out0" / DC / "joined"), _ids(root / "peer-out0")
+    j_ids, p_ids = _joiner_ids(root / "out0"), _peer_ids(root / "peer-out0")
+    commits = commit_ms([s for x in j_runs for s in x["table_commit_s"]])
     only_joiner = int(pc.sum(pc.invert(pc.is_in(j_ids, value_set=p_ids))).as_py() or 0)
     only_peer = int(pc.sum(pc.invert(pc.is_in(p_ids, value_set=j_ids))).as_py() or 0)
     print(
@@ -270,7 +280,9 @@ def run_workload(
         f"   ratio joiner / peer, per run: median (min-max) {spread(ratios)}\n"
         f"   joined: joiner {j['joined']:,} ({len(j_ids):,} rows, {len(pc.unique(j_ids)):,} ids), peer "
         f"{p.joined_rows:,} rows ({p.joined_ids:,} ids); only in the joiner's {only_joiner:,}, only in the peer's "
-        f"{only_peer:,}; manifest must join {rep.expect.get('join', 0):,} (either {rep.expect.get('either', 0):,})"
+        f"{only_peer:,}; manifest must join {rep.expect.get('join', 0):,} (either {rep.expect.get('either', 0):,})\n"
+        f"   joiner's {commit_text(commits)} over its {len(j_runs)} run(s) (photon.logs.tables.publish_batch: one "
+        "Delta commit per table with rows)"
     )
     if p.joined_rows > p.joined_ids:
         print(
@@ -295,6 +307,7 @@ def run_workload(
         "only_in_joiner": only_joiner,
         "only_in_peer": only_peer,
         "must_join": rep.expect.get("join", 0),
+        **commits,
     }
     if stages:
         result["joiner_stages"] = print_stages(spark, pg, root, logs, events, j, tag)

@@ -153,6 +153,7 @@ SLOW_FIRST = (
     "tests/integration/test_airflow.py::test_backfill_over_two_intervals",  # 97 s
     "tests/integration/test_verify_safety.py::test_the_surviving_data_center",  # 73 s, 49 s
     "tests/integration/test_reshard.py::test_reshard_4_to_12",  # 68 s
+    "tests/integration/test_readme_walk.py::test_a_newcomer_pastes_the_first_run",  # 45 s: two pasted joins
     "tests/integration/test_audit.py::test_logs_mode",  # 77 s with its fixture
     "tests/unit/test_parse_properties.py::test_random_bytes",  # 48 s
     "tests/integration/test_airflow.py",  # 46 s, 45 s, ...
@@ -161,6 +162,9 @@ SLOW_FIRST = (
     "tests/integration/test_acknowledged_replicated_paths.py",  # five server pairs, 3-10 s each
     "tests/integration/test_acknowledged_replicated.py",  # four server pairs, 6-8 s each
     "tests/integration/test_start.py",  # 15-73 s
+    "tests/integration/test_join_signals.py",  # 9-13 s each, a real `photon join` apiece
+    "tests/integration/test_table_publish.py",  # 7-30 s: racing publishers, two leases and the verifier
+    "tests/integration/test_table_maintenance.py",
     "tests/integration/test_airflow_local.py",  # 43 s, 32 s
     "tests/integration/test_durability.py",
     "tests/unit/test_parse_properties.py",

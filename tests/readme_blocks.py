@@ -1,13 +1,16 @@
 """The README's commands as a reader pastes them: the lines of its indented code blocks (at any list depth) that run
 a program, backslash continuations joined. Shared by the documentation tests (tests/unit/test_readme_commands.py
-checks every one, tests/integration/test_airflow_local.py runs the backfill and data-quality blocks). It reads the
-Markdown only and imports nothing of the project."""
+checks every one, tests/integration/test_readme_walk.py runs the first run's block, tests/integration/
+test_airflow_local.py the backfill and data-quality blocks). Dates in the examples are computed when pasted, with
+GNU date (`$(date -u -d '3 hours ago' +%Y-%m-%dT%H)`): ``expand_dates`` computes them for a given "now", as bash
+would then. It reads the Markdown only and imports nothing of the project."""
 
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -33,6 +36,10 @@ class Command:
         """The first word that is not an assignment, without its folder (``.venv/bin/photon``: ``photon``)."""
         return next(w for w in self.words if not _ASSIGNMENT.match(w)).rsplit("/", 1)[-1]
 
+    def at(self, now: datetime) -> Command:
+        """The command as pasted at ``now``: its computed dates written out (``expand_dates``)."""
+        return replace(self, text=expand_dates(self.text, now))
+
     @property
     def is_synopsis(self) -> bool:
         """A command's shape, not an example: optional parts in brackets, or ``...`` for the rest."""
@@ -40,6 +47,22 @@ class Command:
 
 
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# The one form of date the README's examples compute: GNU date, UTC, whole hours back, a format of fields strftime
+# shares with date (%Y %m %d %H %M %S) and literal characters.
+DATE = re.compile(r"\$\(date -u -d '(\d+) hours? ago' \+((?:%[YmdHMS]|[-0-9T:Z])+)\)")
+
+
+def expand_dates(text: str, now: datetime) -> str:
+    """``text`` with each ``$(date -u -d 'N hours ago' +FORMAT)`` replaced by what GNU date prints at ``now`` (an
+    aware datetime). Raises ValueError on any other command substitution: a date this cannot compute would reach a
+    test as the literal ``$(...)``."""
+    utc = now.astimezone(UTC)
+    out = DATE.sub(lambda m: (utc - timedelta(hours=int(m.group(1)))).strftime(m.group(2)), text)
+    if "$(" in out or "`" in out:
+        raise ValueError(f"a command substitution other than {DATE.pattern}: {text}")
+    return out
+
+
 _HEADING = re.compile(r"^#{1,6} ")
 
 
@@ -89,9 +112,13 @@ def code_blocks(text: str) -> list[tuple[int, str, list[str]]]:
 
 def _strip_comment(line: str) -> str:
     """The line without a trailing ``# comment`` (a ``#`` after whitespace, outside quotes)."""
-    quote = ""
+    quote, escaped = "", False
     for k, ch in enumerate(line):
-        if quote:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quote != "'":
+            escaped = True  # `\"` in a double-quoted string (a JSON --conf) does not end it
+        elif quote:
             quote = "" if ch == quote else quote
         elif ch in "'\"":
             quote = ch

@@ -24,6 +24,8 @@ cluster_app = typer.Typer(
     help="A local three-node registry cluster (Patroni + etcd) for tests, benchmarks and a demo.", no_args_is_help=True
 )
 registry_app.add_typer(cluster_app, name="cluster")
+table_app = typer.Typer(help="The output tables: maintenance.", no_args_is_help=True)
+app.add_typer(table_app, name="table")
 # Soft wrap: a message longer than the terminal is still one line (the terminal folds it on screen). Without it, rich
 # breaks lines at the width, 80 columns when output is not a terminal: each batch line of a join task came out as two
 # Airflow log records, and so did the demo's.
@@ -285,6 +287,51 @@ def registry_reshard_resume(
     raise typer.Exit(0 if state == "active" else 1)
 
 
+@table_app.command("maintain")
+def table_maintain(
+    out: Annotated[Path, typer.Option(help="Output folder of the pipelines.")],
+    pipeline: Annotated[list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: all.")] = None,
+    retention_hours: Annotated[
+        int,
+        typer.Option(help="Vacuum data files no commit names, and files a compaction replaced, this much older."),
+    ] = 168,
+    force: Annotated[
+        bool, typer.Option("--force", help="Accept a retention under the minimum (24 h): only with no writer.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be done; change nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Per pipeline and table: compact each hour's small files, checkpoint, drop expired log files, vacuum old files
+    no commit names. Safe beside live pipelines and backfills (also the hourly DAG photon_table_maintenance)."""
+    from photon.tools.maintenance import format_bytes, maintain
+
+    _folder(out, "--out")
+    report = maintain(out, pipeline, retention_hours=retention_hours, dry_run=dry_run, force=force)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    table = Table(title=("dry run: would do" if dry_run else "done") + f", retention {retention_hours} h")
+    for col in ("pipeline", "table", "commits", "files", "hours", "vacuumed", "spared", "s"):
+        table.add_column(col, justify="left" if col in ("pipeline", "table") else "right")
+    for t in report.tables:
+        table.add_row(
+            t.pipeline,
+            t.kind,
+            f"{t.after.version + 1:,}",
+            f"{t.before.files:,} -> {t.after.files:,}",
+            f"{len(t.hours_compacted)}" + (f" ({len(t.hours_left)} left)" if t.hours_left else ""),
+            f"{len(t.vacuumed):,} ({format_bytes(t.vacuumed_bytes)})",
+            f"{t.spared:,}",
+            f"{t.seconds:.1f}",
+        )
+    console.print(table)
+    n = report.totals()
+    console.print(
+        f"{n['tables']} tables: {n['files_before']:,} -> {n['files_after']:,} data files, {n['files_compacted']:,} "
+        f"compacted, {n['vacuumed']:,} vacuumed ({format_bytes(n['vacuumed_bytes'])}) in {report.seconds:.1f} s"
+    )
+
+
 def _when_us(us: int) -> str:
     from datetime import UTC, datetime
 
@@ -386,6 +433,13 @@ def audit_cmd(
     logs: Annotated[Path | None, typer.Option(help="Input logs; their _manifest/ is used when present.")] = None,
     manifest: Annotated[Path | None, typer.Option(help="Manifest folder (default: <logs>/_manifest).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    dcs: Annotated[
+        str | None,
+        typer.Option(
+            help="The data centers that ran, all of them (comma-separated): a lost click only another could still "
+            "join is then pending there, not lost. Default: those with output under --out, and such clicks lost."
+        ),
+    ] = None,
 ) -> None:
     """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
     Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
@@ -404,7 +458,8 @@ def audit_cmd(
         from photon.spark_session import get_spark
 
         spark = get_spark("photon-audit")
-    report = audit(out, manifest=manifest, logs=logs, spark=spark)
+    ran = None if dcs is None else [d.strip() for d in dcs.split(",") if d.strip()]
+    report = audit(out, manifest=manifest, logs=logs, spark=spark, ran=ran)
     if as_json:
         typer.echo(report.to_json())
     else:
@@ -412,7 +467,13 @@ def audit_cmd(
     raise typer.Exit(0 if report.ok else 1)
 
 
-@app.command("join")
+@app.command(
+    "join",
+    help="Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN).\n\n"
+    "Ctrl-C (SIGINT) or SIGTERM: the batch in progress commits, no other starts, the lease is released (a standby "
+    "takes over at once) and it says so; exit status 130 (SIGINT) or 143 (SIGTERM). A second signal abandons the "
+    "batch in progress (the next lease joins its files again). A lease fenced by another one says so and exits 3.",
+)
 def join_cmd(
     dc: Annotated[str, typer.Option(help="The pipeline's data center: reads <logs>/<dc>, writes <out>/<dc>.")],
     logs: Annotated[Path, typer.Option(help="Input logs folder.")],
@@ -437,6 +498,14 @@ def join_cmd(
         str | None, typer.Option(help="Backfill: only files whose first event is at or after this ISO time (UTC).")
     ] = None,
     window_end: Annotated[str | None, typer.Option(help="Backfill: ... and before this ISO time (UTC).")] = None,
+    allow_empty: Annotated[
+        bool,
+        typer.Option(
+            "--allow-empty/--no-allow-empty",
+            help="Backfill: run a window without click files in the replica, or past the registry's horizon (refused "
+            "otherwise).",
+        ),
+    ] = False,
     start: Annotated[
         str,
         typer.Option(
@@ -474,10 +543,10 @@ def join_cmd(
         ),
     ] = False,
 ) -> None:
-    """Run the micro-batch joiner for one data center (the registry from PHOTON_REGISTRY_DSN)."""
+    """Run the micro-batch joiner for one data center (its help, with how it stops, is the decorator's)."""
     from photon.joiner.common import BEGINNING, NOW, JoinSettings
     from photon.joiner.lease import Joiner
-    from photon.joiner.state import PipelineState
+    from photon.joiner.state import FencedError, PipelineState
     from photon.registry.client import read_layout
     from photon.registry.clock import ClockSkewError, ServerClock
     from photon.spark_session import get_spark
@@ -518,46 +587,150 @@ def join_cmd(
     # A host whose clock is off from the registry server's by more than the skew: one clear line, before Spark starts.
     clock = ServerClock(servers["main"], settings.max_clock_skew_s)
     clock.check()
+    if settings.window_start_us is not None and settings.window_end_us is not None:
+        from photon.tools.completeness import check_backfill_window  # a window with nothing to join: one line
+
+        window = (settings.window_start_us, settings.window_end_us)
+        accepted = check_backfill_window(
+            servers, logs, dc, *window, allow_empty=allow_empty, max_clock_skew_s=settings.max_clock_skew_s
+        )
+        if accepted:
+            console.print(f"{dc}: {accepted}")
     # A standby announces itself from now on (starting, then ready once warm), so the lease before it holds on
     # until it is ready rather than leave the pipeline idle while its Spark session starts.
     announcing = PipelineState(servers["main"], pipeline or dc).standing_by() if standby else contextlib.nullcontext()
-    with announcing as announcement:
-        spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4, remote=remote)
-        joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline, clock=clock)
-        if announcement is not None:
-            joiner.warm_up()
-            announcement.ready()
-            timeout = standby_timeout if standby_timeout is not None else (run_for or 3_000.0) + 600.0
-            why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
-            console.print(f"{dc}: took over ({why})")
-    lease = joiner.lease or joiner.start()
-    origin = "the beginning of the logs" if lease.start_us is None else _when_us(lease.start_us)
-    if settings.window_start_us is not None:
-        origin = "its window"
-    console.print(f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch} (reading from {origin})")
-
-    def report(r: Any) -> None:
-        m = r.metrics
-        console.print(
-            f"{dc} batch {r.batch_seq}: {m['clicks']} clicks, {m['joined']} joined, {m['prefiltered']} pre-filtered, "
-            f"{m['wasted']} wasted, {m['retried']} waiting, {m['unjoinable']} unjoinable, {m['quarantined']} "
-            f"quarantined, {m['duration_s']:.1f}s"
-        )
-
+    stopper: _Stopper | None = None
     try:
-        results = joiner.run(
-            run_for_s=run_for,
-            until_caught_up=until_caught_up,
-            drain=drain,
-            on_batch=report,
-            hand_over_wait_s=hand_over_wait,
-        )
-    except ClockSkewError:  # drifted mid-lease: its batches are committed; a standby may take over at once
-        joiner.release()
-        raise
-    joiner.release()  # a standby takes over now
-    held = f" (held on {joiner.held_s:.1f}s for a standby to be ready)" if joiner.held_s >= 0.5 else ""
-    console.print(f"{dc}: {len(results)} batch(es) committed{held}")
+        try:
+            with announcing as announcement:
+                spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4, remote=remote)
+                joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline, clock=clock)
+                # From here (PySpark's session sets a SIGINT handler of its own): a signal stops the lease, not Python.
+                stopper = _Stopper(joiner)
+                if announcement is not None:
+                    joiner.warm_up()
+                    announcement.ready()
+                    timeout = standby_timeout if standby_timeout is not None else (run_for or 3_000.0) + 600.0
+                    why = joiner.take_over(stale_s=3 * settings.heartbeat_s, timeout_s=timeout)
+                    console.print(f"{dc}: took over ({why})")
+            lease = joiner.lease or joiner.start()
+            origin = "the beginning of the logs" if lease.start_us is None else _when_us(lease.start_us)
+            if settings.window_start_us is not None:
+                origin = "its window"
+            console.print(
+                f"{dc}: lease epoch {lease.epoch}, resuming after batch {lease.last_batch} (reading from {origin})"
+            )
+            stopper.running = True  # from here a first signal ends the loop after its batch, a second abandons it
+        except KeyboardInterrupt:  # a signal before the lease's first batch
+            if stopper is None:
+                raise
+            stopper.restore()
+            released = " lease released" if stopper.joiner.lease is not None else " no lease taken"
+            stopper.joiner.release()
+            console.print(f"{dc}: stopped by {stopper.name} before its first batch:{released}")
+            raise typer.Exit(stopper.status) from None
+
+        def report(r: Any) -> None:
+            m = r.metrics
+            console.print(
+                f"{dc} batch {r.batch_seq}: {m['clicks']} clicks, {m['joined']} joined, {m['prefiltered']} "
+                f"pre-filtered, {m['wasted']} wasted, {m['retried']} waiting, {m['unjoinable']} unjoinable, "
+                f"{m['quarantined']} quarantined, {m['duration_s']:.1f}s"
+            )
+
+        assert stopper is not None
+        try:
+            results = joiner.run(
+                run_for_s=run_for,
+                until_caught_up=until_caught_up,
+                drain=drain,
+                on_batch=report,
+                hand_over_wait_s=hand_over_wait,
+            )
+        except ClockSkewError:  # drifted mid-lease: its batches are committed; a standby may take over at once
+            joiner.release()
+            raise
+        except FencedError as exc:  # another lease holds the pipeline: nothing to release, nothing more to commit
+            stopper.restore()
+            n = joiner.batches.last_batch - lease.last_batch
+            Console(stderr=True, soft_wrap=True).print(
+                f"{exc}; this lease committed {n} batch(es) and stopped", markup=False
+            )
+            raise typer.Exit(FENCED_EXIT) from None
+        except KeyboardInterrupt:  # a second signal: the batch in progress is abandoned, uncommitted
+            stopper.restore()
+            joiner.release()
+            console.print(
+                f"{dc}: stopped by {stopper.name} in batch {joiner.batches.last_batch + 1}, before its end (what it "
+                "had not committed, the next lease joins again): lease released"
+            )
+            raise typer.Exit(stopper.status) from None
+        except Exception as exc:
+            if joiner.stopped_by is None:
+                raise
+            # Stopped, and the batch failed meanwhile: a signal sent to the whole process group (systemd, `kill --
+            # -PGID`) stops the Spark JVM too. A crash's case, uncommitted: released all the same, and said so.
+            stopper.restore()
+            joiner.release()
+            console.print(
+                f"{dc}: stopped by {stopper.name} in batch {joiner.batches.last_batch + 1}, before its end (it failed: "
+                f"{type(exc).__name__}, its Spark stopped too; what it had not committed, the next lease joins "
+                "again): lease released"
+            )
+            raise typer.Exit(stopper.status) from None
+        stopper.restore()
+        joiner.release()  # a standby takes over now
+        if joiner.stopped_by is not None:
+            console.print(
+                f"{dc}: stopped by {joiner.stopped_by} after batch {joiner.batches.last_batch}: lease released"
+            )
+            raise typer.Exit(stopper.status)
+        held = f" (held on {joiner.held_s:.1f}s for a standby to be ready)" if joiner.held_s >= 0.5 else ""
+        console.print(f"{dc}: {len(results)} batch(es) committed{held}")
+    finally:  # the handlers from before, whatever ends the command (a test may run it in-process)
+        if stopper is not None:
+            stopper.restore()
+
+
+FENCED_EXIT = 3  # `photon join`: another lease fenced this one (README, "photon join")
+
+
+class _Stopper:
+    """SIGINT and SIGTERM on `photon join`, once its Spark session is up: before the lease's loop runs, a signal
+    stops the command at once (``KeyboardInterrupt``; a lease already taken is released); while it runs, the first
+    ends the loop after the batch in progress, a second abandons that batch (``KeyboardInterrupt``)."""
+
+    def __init__(self, joiner: Any) -> None:
+        import signal
+        import threading
+
+        self.joiner = joiner
+        self.running = False
+        self.name = ""
+        self.status = 1
+        self._previous: dict[int, Any] = {}
+        # Python takes signals in its main thread only (a test may run the command in another: no handlers then).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        import signal
+        import threading
+
+        first = not self.name
+        if first:
+            self.name, self.status = signal.Signals(signum).name, 128 + signum  # the shell's convention
+        if first and self.running:
+            # From a thread: the handler runs in the main thread, which may hold the stop event's own lock.
+            threading.Thread(target=self.joiner.stop, args=(self.name,), daemon=True).start()
+            return
+        raise KeyboardInterrupt(self.name)
+
+    def restore(self) -> None:
+        import signal
+
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 @app.command("spark-connect")
@@ -605,16 +778,26 @@ def verify_cmd(
 def status_cmd(
     pipeline: Annotated[list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: all.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Input logs, for the lag (default: $PHOTON_HOME/logs).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output, for the retry sets (default: $PHOTON_HOME/out).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output, for the retry sets and tables (default: $PHOTON_HOME/out).")
+    ] = None,
     window: Annotated[float, typer.Option(help="Seconds of recent batches for latency and shares.")] = 300.0,
-    wide: Annotated[bool, typer.Option("--wide", help="One table row per pipeline (for 150 columns or more).")] = (
-        False
-    ),
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide", help="One table row per pipeline (for 150 columns or more); tab-separated when not a terminal."
+        ),
+    ] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="Finished backfills too (default: live pipelines and running backfills).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Per pipeline: its state (running, idle, finished, stalled), last batch and when, lease holder and heartbeat,
-    lag (oldest unconsumed closed file), retries waiting, and over the recent window click latency, joins and the
-    wasted share. One block per pipeline, readable at 80 columns; --wide for a table."""
+    lag (oldest unconsumed closed file), retries waiting, over the recent window click latency, joins and the
+    wasted share, and its output tables (Delta version, last published batch, files, size, last commit). One block
+    per pipeline, readable at 80 columns; --wide for a table. Finished backfills only with
+    --all (or named with --pipeline)."""
     from photon.tools.status import pipeline_status
 
     home = load_settings().home
@@ -623,19 +806,32 @@ def status_cmd(
     records = pipeline_status(
         initialised_servers()["main"], logs=logs, out=out, pipelines=pipeline or (), window_s=window
     )
+    # A finished backfill is history (an hour joined, often with nothing in it); a day of hourly backfills buried
+    # the live pipelines. Named ones are shown whatever their state.
+    hidden = 0
+    if not show_all and not pipeline:
+        shown = [r for r in records if not (r["kind"] == "backfill" and r["state"] == "finished")]
+        hidden, records = len(records) - len(shown), shown
     if as_json:
         typer.echo(json.dumps(records, indent=2))
         return
+    note = f"({hidden:,} finished backfill{'' if hidden == 1 else 's'} not shown: --all shows them)" if hidden else ""
     if not records:
-        console.print("no pipeline has started yet")
+        console.print("no pipeline has started yet" if not hidden else f"no live pipeline {note}")
         return
-    if wide:
+    if wide and not console.is_terminal:  # a pipe or a file: one tab-separated line per pipeline, no box drawing
+        typer.echo("\n".join("\t".join(row) for row in _status_rows(records)))
+    elif wide:
         console.print(_status_table(records, window))
-        return
-    console.print(f"pipelines (recent = last {window:.0f} s)")
-    for r in records:
-        console.print()
-        console.print(_status_block(r))
+    else:
+        console.print(f"pipelines (recent = last {window:.0f} s)")
+        for r in records:
+            console.print()
+            console.print(_status_block(r))
+    if note and wide and not console.is_terminal:
+        typer.echo(note, err=True)  # the rows on stdout stay one per pipeline
+    elif note:
+        console.print(("" if wide else "\n") + note)
 
 
 STATE_STYLE = {"running": "green", "idle": "yellow", "finished": "cyan", "stalled": "bold red"}
@@ -699,7 +895,27 @@ def _status_block(r: dict[str, Any]) -> Any:
     retries = r["retries"]
     grid.add_row("retries", "?" if retries is None else f"{retries['waiting']:,} waiting, {retries['due']:,} due")
     grid.add_row("recent", _recent_text(r))
+    if r.get("tables") is not None:
+        grid.add_row("tables", _tables_text(r["tables"]))
     return _Unpadded(Group(heading, grid))
+
+
+def _tables_text(found: dict[str, Any] | None) -> str:
+    """One line per output table: version, last published batch, files and size, files awaiting maintenance; then
+    when each was last committed (a line of its own: the rest stays within 80 columns)."""
+    if found is None:
+        return "? (no output folder)"
+    if not found:
+        return "none yet"
+    lines = []
+    for kind, t in found.items():
+        stale = t["files_on_disk"] - t["files"]
+        lines.append(
+            f"{kind} v{t['version']}, batch {t['published_batch'] if t['published_batch'] is not None else '-'}, "
+            f"{t['files']:,} files, {t['bytes'] / 1e6:,.1f} MB" + (f" ({stale:,} more on disk)" if stale > 0 else "")
+        )
+    ages = ", ".join(f"{kind} {ago(t.get('last_commit_age_s'))}" for kind, t in found.items())
+    return "\n".join([*lines, f"[dim]last commit: {ages}[/]"])
 
 
 class _Unpadded:
@@ -727,7 +943,7 @@ def _status_table(records: list[dict[str, Any]], window: float) -> Table:
 
     table = Table(title=f"pipelines (recent = last {window:.0f} s)")
     table.add_column("pipeline", no_wrap=True)  # whole, whatever the width: the other columns give way
-    for col in ("state", "last batch", "lease, heartbeat", "lag", "retries", "recent"):
+    for col in ("state", "last batch", "lease, heartbeat", "lag", "retries", "recent", "tables"):
         table.add_column(col)
     for r in records:
         retries = r["retries"]
@@ -739,8 +955,37 @@ def _status_table(records: list[dict[str, Any]], window: float) -> Table:
             _lag_text(r),
             "?" if retries is None else f"{retries['waiting']:,} waiting\n[dim]{retries['due']:,} due[/]",
             _recent_text(r),
+            _tables_text(r.get("tables")),
         )
     return table
+
+
+def _status_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """``status --wide`` for a pipe: a header and one row per pipeline, plain text, a cell's lines joined by "; "."""
+    from rich.text import Text
+
+    def plain(markup: str) -> str:
+        return "; ".join(Text.from_markup(markup).plain.splitlines()).replace("\t", " ")
+
+    head = ["pipeline", "kind", "dc", "state", "last batch", "lease, heartbeat", "lag", "retries", "recent", "tables"]
+    rows = [head]
+    for r in records:
+        retries = r["retries"]
+        rows.append(
+            [
+                r["pipeline"],
+                r["kind"],
+                str(r["dc"]),
+                r["state"],
+                plain(_last_batch_text(r, "{n}, {age}")),
+                plain(_lease_text(r)),
+                plain(_lag_text(r)),
+                "?" if retries is None else f"{retries['waiting']:,} waiting, {retries['due']:,} due",
+                plain(_recent_text(r)),
+                plain(_tables_text(r.get("tables"))),
+            ]
+        )
+    return rows
 
 
 @app.command("final")
@@ -756,6 +1001,15 @@ def final_cmd(
     ] = 600.0,
     recheck: Annotated[bool, typer.Option("--recheck", help="Decide again even where a marker says final.")] = False,
     mark: Annotated[bool, typer.Option("--mark", help="Write the marker if final (as photon_finality does).")] = False,
+    min_click_files: Annotated[
+        int, typer.Option(min=0, help="Fewer click files in the interval (all replicas) than this: not final.")
+    ] = 1,
+    allow_empty: Annotated[
+        bool,
+        typer.Option(
+            "--allow-empty", help="Declare an interval without input final all the same (the marker says so)."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Is the hour (or interval) final: every click of its input decided, its output no longer changing? Says why
@@ -783,7 +1037,7 @@ def final_cmd(
             out,
             start_us,
             end_us,
-            FinalitySettings(max_join_delay, settings.max_clock_skew_s, lost_after),
+            FinalitySettings(max_join_delay, settings.max_clock_skew_s, lost_after, min_click_files, allow_empty),
         )
         marker = decision.to_dict()
         if decision.final and mark:
@@ -859,7 +1113,9 @@ def demo(
         bool, typer.Option("--registry-race", help="Only race two writers over the registry.")
     ] = False,
 ) -> None:
-    """Both data centers joining generated live logs at once, ending with an audit (exit 1 if it fails)."""
+    """Both data centers joining generated live logs at once into Delta tables (under .photon/demo/<time>/out, or
+    PHOTON_HOME's; with a registry database of the run's own), ending with an audit and a check of every table
+    against the batches the registry committed (exit 1 if either fails)."""
     from photon.tools.demo import run_pipeline_demo, run_registry_race
 
     settings = load_settings()

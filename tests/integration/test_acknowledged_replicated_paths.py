@@ -18,7 +18,6 @@ from typing import Any
 
 import psycopg2.extensions
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from psycopg2 import sql
 
@@ -27,12 +26,14 @@ from photon.joiner.state import PipelineState
 from photon.logs.ids import make_id
 from photon.logs.layout import partition_of
 from photon.logs.schemas import JOINED, JOINED_SCHEMA
+from photon.logs.tables import stage_rows
 from photon.pg import autocommit, connect, create_database
 from photon.recovery.verify import verify_and_recover
 from photon.registry.admin import init_registry
 from photon.registry.client import IdRegistry, Outcome, RegistryOptions
 from photon.registry.owners import create_owner
 from photon.registry.reshard import activate, plan
+from tests.integration import output
 from tests.integration.replication import Node, sync_pair, wait_ready
 from tests.integration.test_acknowledged_replicated import _Call, _kill_server, _one, _wait_for
 from tests.integration.test_failover_client import rows_with_token
@@ -272,10 +273,8 @@ def test_the_verifier_rolls_forward_no_batch_the_standby_never_held(pair: Any, t
     (out / "dc-a").mkdir(parents=True)
     (out / "dc-a" / "_pipeline.json").write_text(json.dumps({"pipeline": "dc-a", "dc": "dc-a"}) + "\n")
     tag = batch_tag(1, lease.epoch)
-    staged = out / "dc-a" / "_staging" / tag / JOINED / f"{tag}-p0000.parquet"
-    staged.parent.mkdir(parents=True)
     row = {f.name: [None] for f in JOINED_SCHEMA} | {"click_id": [click], "click_ts_us": [now], "pipeline": ["dc-a"]}
-    pq.write_table(pa.table(row, schema=JOINED_SCHEMA), staged)
+    stage_rows(out / "dc-a", JOINED, out / "dc-a" / "_staging" / tag, f"{tag}-p0000", pa.table(row, JOINED_SCHEMA), 1)
 
     # A's joiner process commits batch 1; the wait is cancelled; it retries (the barrier waits) and dies.
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
@@ -306,7 +305,7 @@ def test_the_verifier_rolls_forward_no_batch_the_standby_never_held(pair: Any, t
     v = _Call(lambda: verify_and_recover({"main": dsn_v}, out, logs, grace_s=0.0))
     v.start()
     _wait_for(lambda: _one(primary.dsn, WAITING, (_user(dsn_v),)) or v.done_at, "the verifier to roll forward")
-    published_before = sorted(p.name for p in (out / "dc-a" / JOINED).glob("*.parquet"))
+    published_before = output.data_files(out, JOINED, "dc-a")
     _fail_over(primary, standby)
     v.join(60)
     assert v.done_at is not None, "the verifier still running 60 s after the failover"
@@ -314,7 +313,7 @@ def test_the_verifier_rolls_forward_no_batch_the_standby_never_held(pair: Any, t
     with autocommit(promoted, guard=False) as conn, conn.cursor() as cur:
         cur.execute("SELECT batch_seq, epoch FROM photon.batches WHERE pipeline = 'dc-a'")
         committed = {batch_tag(int(b), int(e)) for b, e in cur.fetchall()}
-    joined = sorted(p.name for p in (out / "dc-a" / JOINED).glob("*.parquet"))
+    joined = output.data_files(out, JOINED, "dc-a")  # a data file's name starts with its batch's tag
     redispatched = sorted(p.name for p in logs.rglob("recovered-*.jsonl"))
     report = v.result.to_dict() if v.result is not None else v.error
     story = (
@@ -322,7 +321,7 @@ def test_the_verifier_rolls_forward_no_batch_the_standby_never_held(pair: Any, t
         f"committed on the promoted server: {sorted(committed)}; re-dispatched: {redispatched}; verifier: {report}"
     )
     assert all(n.split("-p")[0] in committed for n in joined), f"output published on a lost commit: {story}"
-    joined_clicks = [c for n in joined for c in pq.read_table(out / "dc-a" / JOINED / n)["click_id"].to_pylist()]
+    joined_clicks = output.ids(out, JOINED, "dc-a")
     assert not (click in joined_clicks and redispatched), f"the click is joined and re-dispatched: {story}"
 
 

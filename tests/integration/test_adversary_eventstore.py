@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from photon.joiner.common import JoinSettings
@@ -28,6 +27,7 @@ from photon.joiner.lease import Joiner
 from photon.joiner.tasks import join_partition
 from photon.logs.layout import log_path
 from photon.logs.parse import parse_file_located
+from tests.integration import output
 from tests.integration.test_hostile_input import candidates, outputs, query_line
 from tests.integration.test_joiner import partition_task
 
@@ -117,7 +117,7 @@ def test_a_recovered_click_joins_through_the_recovered_copy_of_its_query_when_th
 
 
 def _rows(out: Path, kind: str) -> list[dict[str, Any]]:
-    return [r for p in sorted((out / "dc-a" / kind).glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    return output.rows(out, kind, "dc-a")
 
 
 def test_end_to_end_moving_a_flat_query_file_into_a_partition_as_events_md_asks_keeps_its_clicks_joinable(

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-import pyarrow.parquet as pq
 import pytest
 from psycopg2 import sql
 
@@ -32,6 +31,7 @@ from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.pg import autocommit
 from photon.registry.admin import init_registry
+from tests.integration import output
 from tests.integration.test_handover_wait import standby
 
 pytestmark = pytest.mark.integration
@@ -248,11 +248,8 @@ def write_logs(logs: Path, name: str, now: int) -> tuple[str, str]:
 
 
 def ids_under(folder: Path) -> list[str]:
-    return [
-        r
-        for p in sorted(folder.glob("*.parquet"))
-        for r in pq.read_table(p, columns=["click_id"])["click_id"].to_pylist()
-    ]
+    """The click ids committed to the table ``<out>/<pipeline>/<kind>``."""
+    return output.ids(folder.parents[1], folder.name, folder.parent.name)
 
 
 def test_a_dry_batch_beside_a_live_lease_or_left_by_a_crash_registers_nothing_and_never_reaches_the_output(

@@ -16,15 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2.extensions
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable, write_deltalake
 
 from photon.registry.admin import init_registry
 from photon.tools.audit import audit
 from photon.tools.completeness import FINAL_ASSET_URI
 from photon.tools.generator import GeneratorSettings, generate
-from tests.integration.audit_fixtures import perfect_output, rewrite
+from tests.integration.audit_fixtures import perfect_output
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -39,6 +38,7 @@ EXPECTED = {
     "photon_data_quality": ("AssetTriggeredTimetable", ["intervals", "checkpoint"], 2),
     "photon_finality": ("CronDataIntervalTimetable", ["wait_final", "declare_final"], 6),
     "photon_registry_gc": ("CronDataIntervalTimetable", ["collect_garbage"], 1),
+    "photon_table_maintenance": ("CronDataIntervalTimetable", ["maintain_tables"], 1),
     "photon_verify_recover": ("DeltaTriggerTimetable", ["verify_and_recover"], 1),
     "photon_reshard": ("NullTimetable", ["reshard"], 1),
 }
@@ -202,10 +202,10 @@ def test_join_dag_runs_a_lease_through_spark_submit(env: Any) -> None:
     assert report.ok, report.failures()
     assert report.outcomes["joined"] > 500 and report.quarantine["expected"] == report.quarantine["found"] > 0
     # A second lease resumes from the committed position: nothing new to write, nothing written twice.
-    before = sorted(p.name for p in (env.out / "dc-a" / "joined").iterdir())
+    before = DeltaTable(str(env.out / "dc-a" / "joined")).file_uris()
     run = dag.test(run_conf={"lease_s": 10})
     assert task_states(run) == {"joiner_lease": "success"}
-    assert sorted(p.name for p in (env.out / "dc-a" / "joined").iterdir()) == before
+    assert DeltaTable(str(env.out / "dc-a" / "joined")).file_uris() == before
 
 
 def _hour(ts_us: int) -> datetime:
@@ -231,8 +231,8 @@ def test_data_quality_dag_passes_then_fails_on_a_planted_duplicate(env: Any) -> 
     assert value["success"] and value["joined"] > 1_000 and value["failed"] == []
     assert (env.out / "_quality" / "data_docs" / "index.html").is_file()
 
-    row = pq.read_table(env.out / "dc-a" / "joined" / "part-0.parquet").slice(0, 1)
-    rewrite(env.out / "dc-b" / "joined" / "part-0.parquet", lambda t: pa.concat_tables([t, row]))
+    row = DeltaTable(str(env.out / "dc-a" / "joined")).to_pyarrow_table().slice(0, 1)
+    write_deltalake(str(env.out / "dc-b" / "joined"), row, mode="append")  # a duplicate committed to dc-b's table
     run = dag.test(logical_date=interval_end, run_conf=conf)
     assert task_states(run)["checkpoint"] == "failed"
 
@@ -357,7 +357,9 @@ def test_backfill_over_two_intervals_twice_equals_once(env: Any, monkeypatch: py
             assert task_states(run) == {"backfill_dc_a": "success"}
         return {
             kind: sorted(
-                cid for p in env.out.glob(f"*/{kind}/*.parquet") for cid in pq.read_table(p)["click_id"].to_pylist()
+                cid
+                for p in env.out.glob(f"[!_]*/{kind}")
+                for cid in DeltaTable(str(p)).to_pyarrow_table(columns=["click_id"])["click_id"].to_pylist()
             )
             for kind in ("joined", "unjoinable")
         }

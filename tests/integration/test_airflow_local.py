@@ -29,8 +29,8 @@ from typing import Any
 import psutil
 import psycopg2
 import psycopg2.errors
-import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable
 
 from photon.airflow.standalone import default_parallelism, registry_connection
 from photon.pg import autocommit, drop_database
@@ -411,14 +411,12 @@ def photon_cli(*args: str, env: dict[str, str]) -> str:
     return r.stdout
 
 
-def run_readme_block(marker: str, home: Path, registry: str, dates: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run_readme_block(marker: str, home: Path, registry: str, now: datetime) -> subprocess.CompletedProcess[str]:
     """The README's code block after the line holding ``marker``, pasted into a fresh shell in the clone: ``bash``
-    with no venv on PATH and no Airflow settings. Only its example dates become the test's hours, and ``.photon`` is
-    this test's home (PHOTON_HOME) on this test's registry; PYTHONPATH makes `.venv/bin/photon` import this clone."""
-    script = "\n".join(c.text for c in block_after(marker))
-    for example, actual in dates.items():
-        assert example in script, (example, script)
-        script = script.replace(example, actual)
+    with no venv on PATH and no Airflow settings. Its dates are what `date` prints at ``now`` (the test's start: the
+    hours it backfills are the README's), and ``.photon`` is this test's home (PHOTON_HOME) on this test's registry;
+    PYTHONPATH makes `.venv/bin/photon` import this clone."""
+    script = "\n".join(c.at(now).text for c in block_after(marker))
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"), "PHOTON_HOME": str(home)}
     env |= {"PHOTON_REGISTRY_DSN": registry, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     r = subprocess.run(
@@ -429,7 +427,9 @@ def run_readme_block(marker: str, home: Path, registry: str, dates: dict[str, st
 
 
 def joined_ids(folder: Path) -> list[str]:
-    return [cid for p in sorted(folder.glob("joined/*.parquet")) for cid in pq.read_table(p)["click_id"].to_pylist()]
+    if not DeltaTable.is_deltatable(str(folder / "joined")):
+        return []
+    return DeltaTable(str(folder / "joined")).to_pyarrow_table(columns=["click_id"])["click_id"].to_pylist()
 
 
 # Three hours of history with late clicks, six spark-submit tasks and a live lease beside them: 443-543 s on a loaded
@@ -463,7 +463,8 @@ def test_backfill_while_a_joiner_lease_runs(
     env["AIRFLOW_CONN_PHOTON_REGISTRY"] = registry_connection({"main": nobody})
     metadata_db = f"photon_t_af_{uuid.uuid4().hex[:10]}"
 
-    h0 = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=4)
+    now = datetime.now(UTC)  # the README's blocks are pasted "at" this time: their hours are this test's
+    h0 = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=4)
     hours = [h0 + timedelta(hours=i) for i in range(3)]
     history = (h0 + timedelta(minutes=30)).isoformat()  # two hours across the three: late clicks cross both bounds
     manifest = tmp_path / "history-manifest"
@@ -505,6 +506,17 @@ def test_backfill_while_a_joiner_lease_runs(
         # batch, never lists again): the backfill's.
         # (The lease's Spark session and warm-up take two minutes and more on a loaded 2-core machine.)
         wait_for("a live batch", lambda: joined_ids(out / "dc-a"), 300, af)
+        # A running task's log, read as the UI reads it: the API server asks the log server of the task's host (it
+        # always does for a running task), which answers on loopback, and the console shows no connection error.
+        run_id = urllib.parse.quote(lease_running()["dag_run_id"])  # type: ignore[index]
+        ti = api("GET", f"/api/v2/dags/photon_join_dc_a/dagRuns/{run_id}/taskInstances/joiner_lease")
+        task_log = json.dumps(
+            api(
+                "GET",
+                f"/api/v2/dags/photon_join_dc_a/dagRuns/{run_id}/taskInstances/joiner_lease/logs/{ti['try_number']}",
+            )
+        )
+        assert "http://127.0.0.1:" in task_log and "Could not read served logs" not in task_log, task_log[-3000:]
         photon_cli(
             *("generate", "--logs", str(logs), "--mode", "historical", "--start", history, "--duration", "7200"),
             *("--rate", "6", "--dcs", "dc-a,dc-b", "--rotate", "60", "--seed", "11"),
@@ -515,11 +527,8 @@ def test_backfill_while_a_joiner_lease_runs(
         # The backfill's tasks take the Spark Connect server once it is warm (before, they start their own Spark).
         wait_for("the Spark Connect server", lambda: (home / "spark-connect" / "url").exists(), 180, af)
         t_backfill = time.monotonic()
-        first, last = hours[0].strftime("%Y-%m-%dT%H:%M:%S"), hours[-1].strftime("%Y-%m-%dT%H:%M:%S")
-        # The README's command, as pasted (its two example dates the test's first and last hours).
-        run_readme_block(
-            "**Backfill history**", home, registry, {"2026-11-20T00:00:00": first, "2026-11-20T05:00:00": last}
-        )
+        # The README's command, as pasted at the test's start (from 4 to 2 hours back: the test's three hours).
+        run_readme_block("**Backfill history**", home, registry, now)
 
         def backfill_done() -> list[dict[str, Any]] | None:
             runs = [x for x in api.runs("photon_backfill") if x["run_type"] == "backfill"]
@@ -570,10 +579,10 @@ def test_backfill_while_a_joiner_lease_runs(
             wasted, clicks, prefiltered = (int(v or 0) for v in cur.fetchone())
         assert clicks > 0 and wasted / clicks < 0.05, (wasted, clicks, prefiltered)
 
-        # The README's data-quality check of one hour, as pasted (its example hour the middle backfilled one): the
-        # run passes, and its Data Docs are written.
+        # The README's data-quality check of one hour, as pasted at the test's start (3 hours back: the middle
+        # backfilled one): the run passes, and its Data Docs are written.
         t_quality = time.monotonic()
-        run_readme_block("To check one hour now", home, registry, {"2026-11-20T03": f"{hours[1]:%Y-%m-%dT%H}"})
+        run_readme_block("To check one hour now", home, registry, now)
 
         def quality_done() -> list[dict[str, Any]] | None:
             runs = api.runs("photon_data_quality")
@@ -595,6 +604,15 @@ def test_backfill_while_a_joiner_lease_runs(
         assert af.proc.returncode == 0, af.tail()
         assert_all_gone(af)
         assert metadata_sessions(pg_admin_dsn, metadata_db) == 0
+        console = af.tail(10**7)
+        for noise in (":8793/", "ConnectError", "Could not read served logs", "HMAC key"):
+            assert noise not in console, (noise, console[-5000:])
+        # The tasks' lines without Airflow's context fields (the task log keeps them), and a quiet stop.
+        lines = console.splitlines()
+        assert not [line for line in lines if "ti_id=" in line or "try_number=" in line], console[-5000:]
+        assert any("photon_join_dc_a.joiner_lease: dc-a batch" in line for line in lines), console[-5000:]
+        stop = next(i for i, line in enumerate(lines) if "stopping the scheduler" in line)
+        assert not [line for line in lines[stop:] if "[error" in line], lines[stop:]
         print(
             f"ready after {ready_s:.1f}s; backfill of 3 hours beside the lease {backfill_s:.1f}s, wasted {wasted:,} of "
             f"{clicks:,} clicks read ({prefiltered:,} pre-filtered); the README's data-quality run {quality_s:.1f}s; "

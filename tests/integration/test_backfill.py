@@ -12,8 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
 from photon.joiner.query_index import REASON_QUERY_GC
@@ -22,6 +20,7 @@ from photon.registry.admin import advance_gc_threshold, init_registry
 from photon.registry.client import read_layout
 from photon.tools.audit import audit, pipelines_in
 from photon.tools.generator import GeneratorSettings, generate
+from tests.integration import output
 
 US = 1_000_000
 HOUR_US = 3_600 * US
@@ -119,9 +118,59 @@ def test_live_store_pruned_behind_the_horizon_and_older_queries_unjoinable(
     second.run(until_caught_up=True, drain=True)
     second.release()
 
-    joined = pq.read_table(out / "dc-a" / "joined").to_pylist()
-    unjoinable = pq.read_table(out / "dc-a" / "unjoinable").to_pylist()
+    joined = output.rows(out, "joined", "dc-a")
+    unjoinable = output.rows(out, "unjoinable", "dc-a")
     assert [(r["click_id"], r["query_ts_us"]) for r in joined] == [(f"10.0.0.2-8-{now - 1 * US}", recent)]
     assert [(r["click_id"], r["reason"]) for r in unjoinable] == [(f"10.0.0.2-8-{now - 2 * US}", REASON_QUERY_GC)]
     assert {p.name for p in store.iterdir()} == {f"bucket={recent // (10 * US)}"}
     assert second.batches.horizon_us == horizon
+
+
+def _join(argv: list[str], monkeypatch: Any, capsys: Any) -> tuple[int, str]:
+    """``photon join`` as a person runs it (its one-line errors and exit status 2 included): (status, output)."""
+    import sys
+
+    import pytest
+
+    from photon.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["photon", "join", *argv])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    captured = capsys.readouterr()
+    return int(exited.value.code or 0), captured.out + captured.err
+
+
+def test_a_backfill_of_a_window_without_logs_or_past_the_horizon_says_so_and_fails(
+    tmp_path: Path, servers: dict[str, str], spark: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    """A window whose replica holds no click file, or that ends before the registry's horizon, joins nothing: the
+    backfill says so in one line naming the window and the horizon, and fails (exit 2, before Spark starts), unless
+    --allow-empty accepts it. Was: success with 0 batches, silently."""
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", servers["main"])
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    (logs / "dc-a" / "clicks").mkdir(parents=True)
+    hour = (int(time.time() * US) // HOUR_US - 2) * HOUR_US
+    old = hour - 8 * 24 * HOUR_US  # the README's fixed dates, 8 days later: past the 3-day retention's horizon
+    # A click file of the old window: it has logs, but lies before the horizon.
+    stale = log_path(logs, "dc-a", "clicks", "10.0.0.1-1-0.jsonl", old + 60 * US)
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"click_id": f"10.0.0.1-1-{old + 5}", "ts_us": old + 5, "query_id": "q", "ad_id": "a"}))
+
+    def iso(ts: int) -> str:
+        return datetime.fromtimestamp(ts / US, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+    def backfill(start: int, *more: str) -> list[str]:
+        args = ["--dc", "dc-a", "--logs", str(logs), "--out", str(out), "--pipeline", f"backfill-dc-a-{start}"]
+        return [*args, "--until-caught-up", "--window-start", iso(start), "--window-end", iso(start + HOUR_US), *more]
+
+    code, said = _join(backfill(hour), monkeypatch, capsys)
+    assert code == 2 and len(said.strip().splitlines()) == 1, said
+    assert (
+        f"backfill of dc-a [{iso(hour)}Z, {iso(hour + HOUR_US)}Z): no click file in {logs / 'dc-a' / 'clicks'}" in said
+    )
+    assert "the registry's horizon is" in said and "--allow-empty" in said
+    code, said = _join(backfill(old), monkeypatch, capsys)
+    assert code == 2 and "the window ends before the registry's horizon" in said and "no click file" not in said, said
+    code, said = _join(backfill(hour, "--allow-empty"), monkeypatch, capsys)
+    assert code == 0 and "run all the same (allow_empty)" in said and "0 batch(es) committed" in said, said

@@ -152,6 +152,7 @@ def test_every_command_on_an_uninitialised_registry_says_what_to_do_in_one_line(
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "Traceback" not in err, err
     assert "the registry is not initialised: run `photon registry init`" in err and len(err.splitlines()) == 1, err
+    assert "(registry: " in err and "dbname=photon_" in err, err  # which one: another folder has another
 
 
 def test_the_photon_command_is_installed_and_its_help_imports_nothing_heavy() -> None:

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
 from photon.joiner.common import JoinSettings
@@ -36,6 +35,7 @@ from photon.registry.admin import init_registry, server_clock_us
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
+from tests.integration import output
 from tests.integration.test_adversary_handover2 import Proxy
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
 def joined_ids(out: Path) -> list[str]:
-    return [cid for p in sorted(out.glob("*/joined/*.parquet")) for cid in pq.read_table(p)["click_id"].to_pylist()]
+    return output.ids(out, "joined")
 
 
 def write_log(logs: Path, kind: str, name: str, events: list[dict[str, Any]], at_us: int) -> None:

@@ -173,3 +173,31 @@ def test_an_hour_is_final_once_every_click_of_it_is_decided(
 
     # With a day's join delay, the same hour is not final before the day has passed, whatever else holds.
     _only(decide(max_join_delay_s=86_400), "the interval can be final at")
+
+
+def test_an_hour_without_input_is_not_final_unless_accepted(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No click file in any replica is what stopped log shipping looks like: not final, saying so; --allow-empty
+    declares it all the same, and the marker records that. Was: "final, 0 click files"."""
+    admin = make_db()
+    init_registry({"main": admin}, num_shards=2)
+    verifier = {"main": login_as(admin, "photon_verifier")}
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    for dc in ("dc-a", "dc-b"):
+        (logs / dc / "clicks").mkdir(parents=True)
+    out.mkdir()
+    start = (int(time.time() * US) // HOUR_US - 2) * HOUR_US  # sealed, its deadlines past
+    d = decide_final(verifier, logs, out, start, start + HOUR_US)
+    _only(d, "0 click file(s) in any replica", "at least 1 are expected", "--allow-empty")
+    d = decide_final(verifier, logs, out, start, start + HOUR_US, FinalitySettings(allow_empty=True))
+    assert d.final and d.empty_accepted and d.click_files == 0, d.reasons
+    monkeypatch.setenv("PHOTON_REGISTRY_DSN", verifier["main"])
+    hour = time.strftime("%Y-%m-%dT%H", time.gmtime(start // US))
+    args = ["final", "--hour", hour, "--logs", str(logs), "--out", str(out)]
+    cli = CliRunner().invoke(app, args)
+    assert cli.exit_code == 1 and "is not final: 0 click file(s) in any replica" in cli.output, cli.output
+    cli = CliRunner().invoke(app, [*args, "--allow-empty", "--mark"])
+    assert cli.exit_code == 0 and "0 click files, 0 clicks; accepted without input (allow_empty)" in cli.output
+    marker = read_marker(out, start, start + HOUR_US)
+    assert marker is not None and marker["final"] and marker["empty_accepted"] and marker["click_files"] == 0

@@ -24,6 +24,7 @@ from photon.registry.owners import create_owner
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
 from photon.tools.report import render_report
+from tests.integration import output
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -152,9 +153,9 @@ def test_gc_while_two_joiners_replay_old_logs(tmp_path: Path, servers: dict[str,
         gc.join()
     assert len(gc_runs) >= 2 and gc_runs[-1].rows_freed == 0 and gc_runs[0].rows_freed > 0
 
-    joined = [cid for p in out.glob("*/joined/*.parquet") for cid in pq.read_table(p)["click_id"].to_pylist()]
+    joined = output.ids(out, "joined")
     assert len(joined) == len(set(joined)), "a click was joined twice"
-    unjoinable = [r for p in out.glob("*/unjoinable/*.parquet") for r in pq.read_table(p).to_pylist()]
+    unjoinable = output.rows(out, "unjoinable")
     assert all(r["reason"] for r in unjoinable)
     refused = {r["click_id"] for r in unjoinable if r["reason"] == REASON_GC}
     old_clicks = set(pq.read_table(old / "_manifest" / "clicks.parquet")["click_id"].to_pylist())

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
 from photon.joiner.common import JoinSettings
@@ -18,6 +17,7 @@ from photon.joiner.state import FencedError, Lease
 from photon.logs.layout import partition_of
 from photon.pg import autocommit
 from photon.registry.clock import ServerClock
+from tests.integration import output
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -123,7 +123,7 @@ def test_a_lease_whose_clock_is_behind_never_moves_the_listing_mark_back(
         marks = [m for (m,) in cur.fetchall()]
     assert sorted(names) == sorted(set(names)) and len(names) == 2
     assert marks == sorted(marks), marks  # never back
-    ids = [r["click_id"] for p in (out / "dc-a" / "unjoinable").glob("*.parquet") for r in pq.read_table(p).to_pylist()]
+    ids = output.ids(out, "unjoinable", "dc-a")
     assert len(ids) == len(set(ids)) == 2
 
 

@@ -118,13 +118,15 @@ def test_the_standby_warm_up_runs_a_batch_job_and_writes_nothing_the_pipeline_re
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=2)
     j = joiner(tmp_path, {"main": login_as(dsn, "photon_joiner")}, spark=spark)
+    out = tmp_path / "out"
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    # The joiner made its empty tables; the warm-up must add no file anywhere under --out.
+    assert "dc-a/joined/_delta_log/00000000000000000000.json" in before
     with caplog.at_level(logging.WARNING, logger="photon.joiner"):
         j.warm_up()
     assert not [r for r in caplog.records if "warm-up" in r.getMessage()], caplog.text  # it ran, and as expected
-    assert sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*")) == [
-        "dc-a",
-        "dc-a/_staging",
-    ]
+    # Its own folder under _staging, removed after.
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == sorted([*before, "dc-a/_staging"])
     with autocommit(dsn) as conn, conn.cursor() as cur:
         cur.execute("SELECT table_name FROM photon.shard_state")
         tables = [t for (t,) in cur.fetchall()]

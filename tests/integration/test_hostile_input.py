@@ -20,6 +20,7 @@ from photon.joiner.eventstore import index_of, index_rows, write_index
 from photon.joiner.tasks import CANDIDATE, _source_task, join_partition
 from photon.logs.parse import parse_file_located
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
+from tests.integration import output
 from tests.integration.test_joiner import partition_task
 
 pytestmark = pytest.mark.integration
@@ -62,8 +63,8 @@ def store(task: Any, *query_ts: int) -> None:
 
 
 def outputs(task: Any, kind: str) -> list[dict[str, Any]]:
-    folder = Path(task.stage) / kind
-    return [r for p in sorted(folder.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    """The ``kind`` rows the task wrote for its batch (not published: the files its add records name)."""
+    return output.staged(task, kind)
 
 
 def test_a_click_stamped_days_ahead_is_decided_at_the_door_and_the_batch_goes_on(
@@ -347,8 +348,8 @@ def test_poison_files_dropped_into_both_replicas_while_both_joiners_run(
     report = audit(out, manifest=logs / "_manifest")
     assert report.duplicate_clicks == 0 and report.lost == 0 and report.wrong_query == 0, report.failures()
     assert report.outcomes["none"] == 0
-    quarantined = [r for p in out.glob("*/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
-    unjoinable = [r for p in out.glob("*/unjoinable/*.parquet") for r in pq.read_table(p).to_pylist()]
+    quarantined = output.rows(out, "quarantine")
+    unjoinable = output.rows(out, "unjoinable")
     for dc in ("dc-a", "dc-b"):
         for (_, name), (body, expect) in poison.items():
             got = {r["line"]: r["reason"] for r in quarantined if r["file"] == name and r["pipeline"] == dc}
@@ -454,7 +455,7 @@ def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_repor
     assert not errors, errors
     j.run(until_caught_up=True, drain=True)
     assert sorted(joined_ids(out)) == sorted(f"10.0.0.1-5-{t + 5 * US}" for t in qts)
-    assert not list(out.glob("dc-a/quarantine/*.parquet"))
+    assert output.rows(out, "quarantine", "dc-a") == []
 
     # Appended in place after it was consumed: the bytes never read are reported, once, with the file's name.
     with open(target, "ab") as fh:
@@ -462,7 +463,7 @@ def test_a_click_file_copied_in_slowly_is_read_whole_and_a_later_append_is_repor
     j.run(until_caught_up=True, max_batches=3)
     j.run(until_caught_up=True, max_batches=3)
     j.release()
-    (record,) = [r for p in out.glob("dc-a/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    (record,) = output.rows(out, "quarantine", "dc-a")
     assert record["file"] == target.relative_to(logs / "dc-a" / "clicks").as_posix()
     assert record["raw"] == clicks[0] + b"\n" and record["raw_bytes"] == len(clicks[0]) + 1
     assert f"bytes {len(body)}..{len(body) + len(clicks[0]) + 1} never read" in record["reason"]
@@ -527,6 +528,6 @@ def test_a_consumed_file_replaced_by_rename_with_its_size_and_mtime_is_reported(
     assert (os.stat(target).st_size, os.stat(target).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     j.run(until_caught_up=True, max_batches=2)
     j.release()
-    (record,) = [r for p in out.glob("dc-a/quarantine/*.parquet") for r in pq.read_table(p).to_pylist()]
+    (record,) = output.rows(out, "quarantine", "dc-a")
     assert record["file"] == rel and "closed file changed: replaced by another file" in record["reason"], record
     assert record["raw"] == click(now + 1) + b"\n" and record["raw_bytes"] == st.st_size

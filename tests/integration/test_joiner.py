@@ -20,6 +20,7 @@ from photon.logs.layout import log_path
 from photon.pg import autocommit
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
+from tests.integration import output
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -47,10 +48,7 @@ def registered_under(dsn: str, pipeline: str, shards: int = 4) -> int:
 
 
 def joined_ids(out: Path) -> list[str]:
-    ids: list[str] = []
-    for p in sorted(out.glob("*/joined/*.parquet")):
-        ids += pq.read_table(p, columns=["click_id"])["click_id"].to_pylist()
-    return ids
+    return output.ids(out, "joined")
 
 
 def test_two_pipelines_racing_over_the_same_logs(tmp_path: Path, servers: dict[str, str], spark: Any) -> None:
@@ -214,6 +212,8 @@ def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int
     return _Task(
         dc="dc-a",
         tag="b0000000001-e1",
+        batch=1,
+        root=str(tmp_path / "out" / "dc-a"),
         now=now,
         stage=str(tmp_path / "stage"),
         state=str(tmp_path / "state"),

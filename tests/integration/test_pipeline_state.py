@@ -25,7 +25,7 @@ def test_a_zombie_lease_can_never_commit_after_its_successor_started(state: Pipe
     assert state.commit(old, 1, [("clicks", "f1.jsonl")]) is True
     new = state.start_lease()
     assert new.epoch == old.epoch + 1 and new.last_batch == 1
-    with pytest.raises(FencedError, match="superseded"):
+    with pytest.raises(FencedError, match=f"epoch {old.epoch} was fenced by lease epoch {new.epoch}, held by "):
         state.commit(old, 2, [("clicks", "f2.jsonl")])
     with pytest.raises(FencedError):
         state.heartbeat(old)

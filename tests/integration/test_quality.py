@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -17,13 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable, write_deltalake
 
+from photon.logs import tables
 from photon.logs.layout import partition_of
 from photon.logs.parse import parse_file
-from photon.logs.schemas import JOINED_SCHEMA, QUARANTINE_SCHEMA, UNJOINABLE_SCHEMA
+from photon.logs.schemas import JOINED_SCHEMA
 from photon.tools.generator import GeneratorSettings, generate
-from photon.tools.quality import NotSettled, QualitySettings, check_quality
-from tests.integration.audit_fixtures import perfect_output, rewrite
+from photon.tools.quality import NotSettled, QualityInputError, QualitySettings, check_quality
+from tests.integration.audit_fixtures import perfect_output
 
 US = 1_000_000
 HOUR = 3600 * US
@@ -40,8 +43,8 @@ def _click_id(ts: int) -> str:
 
 class World:
     """One hour of output of two live pipelines (dc-a, dc-b) and the click logs their quarantine records name;
-    a case edits the rows, then ``write`` lays out ``<out>/<pipeline>/{joined,unjoinable,quarantine}`` and
-    ``<logs>/<dc>/clicks/``."""
+    a case edits the rows, then ``write`` commits them to the tables ``<out>/<pipeline>/{joined,unjoinable,quarantine}``
+    (batch 1 of each pipeline) and lays out ``<logs>/<dc>/clicks/``."""
 
     def __init__(self) -> None:
         self.joined: list[dict[str, Any]] = []
@@ -130,20 +133,12 @@ class World:
         for p in ("dc-a", "dc-b"):  # the live pipelines' folders exist, output or not
             (out / p).mkdir(parents=True, exist_ok=True)
             (out / p / "_pipeline.json").write_text(json.dumps({"pipeline": p, "dc": p}))
-        for kind, rows, schema in (
-            ("joined", self.joined, JOINED_SCHEMA),
-            ("unjoinable", self.unjoinable, UNJOINABLE_SCHEMA),
-            ("quarantine", self.quarantine, QUARANTINE_SCHEMA),
-        ):
-            table = pa.Table.from_pylist(rows, schema=schema)
-            for p in sorted({r["pipeline"] for r in rows if r["pipeline"] is not None}):
-                folder = out / p / kind
-                folder.mkdir(parents=True, exist_ok=True)
-                mine = table.filter(pc.equal(table["pipeline"], p))
-                pq.write_table(mine, folder / "part-0.parquet")
-                (out / p / "_pipeline.json").write_text(json.dumps({"pipeline": p, "dc": self.dc[p]}))
-            if any(r["pipeline"] is None for r in rows):  # a row that lost its pipeline: dc-a wrote it
-                pq.write_table(table.filter(pc.is_null(table["pipeline"])), out / "dc-a" / kind / "part-1.parquet")
+        rows = {"joined": self.joined, "unjoinable": self.unjoinable, "quarantine": self.quarantine}
+        # A row that lost its pipeline: dc-a wrote it.
+        for p in sorted({r["pipeline"] for kind in rows.values() for r in kind if r["pipeline"] is not None}):
+            mine = {k: [r for r in v if (r["pipeline"] or "dc-a") == p] for k, v in rows.items()}
+            commit(out, p, mine, batch=1)
+            (out / p / "_pipeline.json").write_text(json.dumps({"pipeline": p, "dc": self.dc[p]}))
         for dc in ("dc-a", "dc-b"):
             (logs / dc / "clicks").mkdir(parents=True)
             for name, first in self.files.items():
@@ -155,6 +150,32 @@ class World:
             lines = [json.dumps(click_line(ts)) for ts in stamps]
             path.write_text("\n".join([*lines, '{"click_id": ', *lines[:1]]) + "\n")  # a bad line, a re-sent one
         return out, logs
+
+
+def commit(out: Path, pipeline: str, rows: dict[str, Any], batch: int) -> None:
+    """Batch ``batch`` of ``pipeline``: ``rows`` (per kind) committed to its output tables as a joiner commits them
+    (its tasks stage the data files, its driver commits them under its txn). A row without its time, which a task
+    cannot place in an hour, is appended by deltalake to the table's null hour: a broken row the check must see."""
+    root = out / pipeline
+    stage = out / "_staging" / f"{pipeline}-{batch}"
+    broken: dict[str, pa.Table] = {}
+    for kind, found in rows.items():
+        schema = tables.ROW_SCHEMAS[kind]
+        table = (
+            found.select(schema.names).cast(schema)
+            if isinstance(found, pa.Table)
+            else pa.Table.from_pylist(found, schema=schema)
+        )
+        timed = pc.is_valid(table[tables.TIME_COLUMN[kind]])
+        tables.stage_rows(root, kind, stage, f"b{batch:010d}-e1-p0", table.filter(timed), batch)
+        broken[kind] = table.filter(pc.invert(timed))
+    tables.publish_batch(root, pipeline, batch, stage)
+    shutil.rmtree(stage, ignore_errors=True)
+    for kind, table in broken.items():
+        if table.num_rows:
+            table = table.append_column(tables.BATCH, pa.array([batch] * table.num_rows, pa.int64()))
+            table = table.append_column(tables.PARTITION, pa.nulls(table.num_rows, pa.string()))
+            write_deltalake(str(root / kind), table, mode="append", partition_by=[tables.PARTITION])
 
 
 def click_line(ts: int) -> dict[str, Any]:
@@ -203,6 +224,17 @@ def _slow(n: int, by: int = 61 * US) -> Callable[[World], None]:  # n clicks of 
     return edit
 
 
+def _fell_behind(w: World) -> None:
+    """Live dc-a, joining since the hour before (a click of it joined on time), joined this hour 45 h late."""
+    _slow(N, LATE)(w)
+    w.joined.append(World.row(START - HOUR + 7, "dc-a"))
+
+
+def _history_of_a_new_live_pipeline(w: World) -> None:
+    """dc-a created 45 h later at the beginning of the logs (its first output then): this hour is history to it."""
+    _slow(N, LATE)(w)
+
+
 def _backfilled(w: World) -> None:
     """The whole hour joined, given up and quarantined by one backfill pipeline two days later."""
     for r in w.joined:
@@ -230,9 +262,30 @@ def _bad_lines_recovered(w: World) -> None:  # the verifier's copies are no new 
     w.quarantine_lines("recovered-1763700000000000.jsonl", 100, ("dc-a",), decided_at=START + 120 * US)
 
 
-def _nothing_but_bad_lines(w: World) -> None:  # no click decided at all: any malformed line fails the rate
+def _nothing_but_bad_lines(w: World) -> None:  # no click decided at all: 105 malformed lines fail the rate
     w.joined.clear()
     w.unjoinable.clear()
+    w.quarantine_lines("10.9.8.7-88-2.jsonl", 100, ("dc-a",), decided_at=START + 60 * US)
+
+
+def _tiny_hour(w: World) -> None:
+    """The README's boundary hour: 4 clicks, 3 bad lines of its input (a quarantine rate of 0.75 over 7 lines)."""
+    w.joined = w.joined[:4]
+    w.unjoinable.clear()
+    stamps = [r["click_ts_us"] for r in w.joined]
+    w.logged = []
+    w.log_clicks("dc-a", stamps, arrival=stamps[-1] + US, name="10.9.8.7-88-b0.jsonl")
+    w.files = {"10.9.8.7-88-0.jsonl": stamps[0]}
+    w.quarantine.clear()
+    w.quarantine_lines("10.9.8.7-88-0.jsonl", 3, ("dc-a",), decided_at=START + 60 * US)
+
+
+def _no_input(w: World) -> None:  # nothing in any replica: log shipping stopped (or never started)
+    w.joined.clear()
+    w.unjoinable.clear()
+    w.quarantine.clear()
+    w.logged = []
+    w.files = {}
 
 
 def _given_up(n: int, pipelines: tuple[str, ...]) -> Callable[[World], None]:
@@ -251,6 +304,7 @@ SKEW = "joined: expect_column_values_to_be_between(click_after_query_s)"
 LATENCY = "joined: expect_column_values_to_be_between(live_latency_s)"
 UNJOINABLE = "rates: expect_column_values_to_be_between(unjoinable_rate)"
 QUARANTINE = "rates: expect_column_values_to_be_between(quarantine_rate)"
+INPUT = "rates: expect_column_values_to_be_between(input_click_files)"
 NO_OUTCOME = "completeness: expect_column_values_to_be_null(no_outcome)"
 TWICE = "completeness: expect_column_values_to_be_null(joined_more_than_once)"
 REQUIRED = ["click_id", "query_id", "ad_id", "click_ts_us", "query_ts_us", "joined_at_us", "pipeline"]
@@ -293,7 +347,8 @@ CASES: list[Any] = [
     pytest.param(_skew(9), [], id="click-after-query-passes-9s-before-within-the-skew"),
     pytest.param(_slow(20), [LATENCY], id="latency-fails-2pct-of-live-clicks-slow"),
     pytest.param(_slow(5), [], id="latency-passes-0.5pct-of-live-clicks-slow"),
-    pytest.param(_slow(N, LATE), [LATENCY], id="latency-fails-a-live-pipeline-45h-late"),
+    pytest.param(_fell_behind, [LATENCY], id="latency-fails-a-live-pipeline-45h-late"),
+    pytest.param(_history_of_a_new_live_pipeline, [], id="latency-passes-history-joined-by-a-new-live-pipeline"),
     pytest.param(_backfilled, [], id="latency-passes-an-hour-backfilled-45h-later"),
     pytest.param(_given_up(70, ("dc-a", "dc-b")), [UNJOINABLE], id="unjoinable-fails-7pct"),
     pytest.param(_given_up(70, ("dc-a",)), [], id="unjoinable-passes-given-up-by-one-joined-by-the-other"),
@@ -304,6 +359,8 @@ CASES: list[Any] = [
     pytest.param(
         _nothing_but_bad_lines, [QUARANTINE, NO_OUTCOME], id="quarantine-fails-bad-lines-and-no-click-decided"
     ),
+    pytest.param(_tiny_hour, [], id="quarantine-passes-3-bad-lines-beside-4-clicks-not-judged"),
+    pytest.param(_no_input, [INPUT], id="input-fails-an-hour-without-click-files"),
     pytest.param(_no_output_at_all, [NO_OUTCOME], id="completeness-fails-input-without-any-output"),
     pytest.param(_file_never_read, [NO_OUTCOME], id="completeness-fails-a-click-file-no-pipeline-read"),
     pytest.param(_file_never_read_next_hour, [], id="completeness-passes-a-file-of-the-next-hours-partition"),
@@ -348,6 +405,32 @@ def test_backfilled_hour_counts(tmp_path: Path) -> None:
     assert r.statistics["joined"]["unsuccessful_expectations"] == 0
 
 
+def test_history_joined_by_a_new_live_pipeline_is_counted_not_judged(tmp_path: Path) -> None:
+    """A live pipeline started at the beginning of the logs (`photon join`'s default) 45 h after this hour: its click
+    files arrived long before its first output, so its latency measures the history's age; its rows are counted as
+    history and not judged. Was: FAIL on live_latency_s, 100% of dc-a's rows at 162,000 s."""
+    w = World()
+    _history_of_a_new_live_pipeline(w)
+    r = check(w, tmp_path)
+    assert r.success, r.details
+    assert (r.history, r.backfilled) == (N // 2, 0)
+
+
+def test_history_whose_file_arrived_in_the_next_hour_is_history_too(tmp_path: Path) -> None:
+    """Clicks stamped in the hour's last seconds whose file landed in the next hour's partition are that hour's input,
+    not this one's, so their arrival was unknown here and they were judged live: on the README's own path (history
+    joined by new live pipelines, then this check) 104 such rows at 9,595 s failed the hour. Their arrival is read
+    from the partitions that land before the hour settles."""
+    w = World()
+    _history_of_a_new_live_pipeline(w)
+    stamps = [END - 3 * US + i for i in range(3)]
+    w.joined += [World.row(ts, "dc-a", latency_s=LATE / US) for ts in stamps]
+    w.log_clicks("dc-a", stamps, arrival=END + 20 * US, name="10.9.8.7-88-next.jsonl")
+    r = check(w, tmp_path)
+    assert r.success, r.details
+    assert (r.joined, r.history, r.backfilled) == (N + 3, N // 2 + 3, 0), r.details
+
+
 def test_a_failure_says_what_its_share_is_of(tmp_path: Path) -> None:
     """An hour mostly backfilled, 8 clicks joined live and all of them late: the latency expectation judges only the
     8 live rows (the others' live latency is null). Was: 'unexpected 8 of 1,000 (100.00%)', a share of 8 given
@@ -357,6 +440,7 @@ def test_a_failure_says_what_its_share_is_of(tmp_path: Path) -> None:
     live = w.joined[:8]
     for r in live:
         r["pipeline"], r["joined_at_us"] = "dc-a", r["click_ts_us"] + 3_600 * US
+    w.joined.append(World.row(START - HOUR + 7, "dc-a"))  # dc-a has joined since the hour before: live, and late
     r = check(w, tmp_path)
     assert r.failed == [LATENCY]
     assert r.details == [
@@ -387,17 +471,33 @@ def test_gx_log_keeps_to_one_line_per_failed_expectation(
     mine = [rec.getMessage() for rec in caplog.records if rec.name == "photon.tools.quality"]
     assert len(mine) == 4, mine  # the verdict, then one line per failed expectation
     assert "FAIL, 3 expectation(s)" in mine[0]
-    assert "1010 input clicks, 0 without outcome, 1 joined more than once" in mine[0]
+    assert "1010 input clicks in 23 click files, 0 without outcome, 1 joined more than once" in mine[0]
     assert "expect_column_values_to_be_unique(click_id): unexpected 2 of 1,001 rows" in "".join(mine[1:])
     assert f"(joined_more_than_once): unexpected 1 of 1,010 rows (0.10%), e.g. ['{w.joined[0]['click_id']}']" in mine[3]
     captured = capfd.readouterr()
     assert "Calculating Metrics" not in captured.err + captured.out  # GX's progress bars are off
 
 
-def test_an_interval_without_clicks_passes(tmp_path: Path) -> None:
+def test_an_interval_without_input_fails_unless_accepted(tmp_path: Path) -> None:
+    """No click file in any replica is what stopped log shipping looks like: it fails, saying so. Was: PASS."""
     out, logs = World().write(tmp_path)
     r = check_quality(out, logs, END + HOUR, END + 2 * HOUR)
-    assert r.success and r.joined == 0 and r.quarantined == 0 and r.input_clicks == 0
+    assert not r.success and r.failed == [INPUT] and r.input_files == 0
+    assert "observed 0.0 click files in any replica, where input is expected" in r.details[0], r.details
+    accepted = check_quality(out, logs, END + HOUR, END + 2 * HOUR, QualitySettings(allow_empty=True))
+    assert accepted.success and accepted.joined == 0 and accepted.quarantined == 0 and accepted.input_clicks == 0
+
+
+def test_rates_over_a_tiny_denominator_are_reported_not_judged(tmp_path: Path) -> None:
+    """The boundary hour: 3 bad lines beside 4 clicks is a rate of 0.75, reported; judged only from
+    ``min_rate_denominator`` lines on (here lowered to 7, and it fails). Was: FAIL on quarantine_rate 0.75."""
+    w = World()
+    _tiny_hour(w)
+    r = check(w, tmp_path)
+    assert r.success, r.details
+    assert (r.quarantine_rate, r.rates_not_judged) == (0.75, ["unjoinable_rate", "quarantine_rate"])
+    judged = check_quality(tmp_path / "out", tmp_path / "logs", START, END, QualitySettings(min_rate_denominator=4))
+    assert judged.failed == [QUARANTINE] and judged.rates_not_judged == [], judged.details
 
 
 @pytest.fixture(scope="module")
@@ -405,12 +505,20 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     logs = tmp_path_factory.mktemp("logs")
     start = START + 600 * US
     generate(GeneratorSettings(events_per_s=2_000), logs, start_us=start, end_us=start + 20 * US)
+    truth = tmp_path_factory.mktemp("truth")
+    perfect_output(logs, truth)
     out = tmp_path_factory.mktemp("perfect")
-    perfect_output(logs, out)
     now = int(time.time() * US)  # the fixture leaves decision times at 0; a joiner stamps its batch's time
-    for p in out.glob("*/quarantine/*.parquet"):
-        rewrite(p, lambda t: t.set_column(7, "decided_at_us", pa.array([now] * t.num_rows, pa.int64())))
+    for folder in sorted(p for p in truth.iterdir() if p.is_dir()):  # the fixture's rows, committed as one batch
+        rows = {kind: pq.read_table(folder / kind, columns=tables.ROW_SCHEMAS[kind].names) for kind in KINDS}
+        rows["quarantine"] = rows["quarantine"].set_column(
+            7, "decided_at_us", pa.array([now] * rows["quarantine"].num_rows, pa.int64())
+        )
+        commit(out, folder.name, rows, batch=1)
     return out, logs
+
+
+KINDS = ("joined", "unjoinable", "quarantine")
 
 
 def test_generated_logs_and_their_correct_output_pass(generated: tuple[Path, Path]) -> None:
@@ -453,102 +561,86 @@ def test_completeness_counts_and_names_the_clicks_no_pipeline_read(
     assert "no_outcome" in pages and _click_id(UNREAD[0]) in pages  # Data Docs show the ids too
 
 
-def test_completeness_sees_an_output_file_removed_after_it_was_indexed(tmp_path: Path) -> None:
-    """The output index (``<out>/_quality/index``) remembers each file's click-time range; a file gone since is
-    dropped from it, and its clicks have no outcome."""
+def test_completeness_reads_the_tables_as_they_are_now(tmp_path: Path) -> None:
+    """Each check reads the tables' current snapshots: rows deleted from dc-b's joined table since the last check (a
+    Delta delete: their data files stay on disk until vacuumed, no longer named by the table) have no outcome."""
     out, logs = World().write(tmp_path)
     first = check_quality(out, logs, START, END)
     assert first.success, first.details
     assert (first.input_clicks, first.output_files_read) == (N + 10, 4)
-    (out / "dc-b" / "joined" / "part-0.parquet").unlink()
+    DeltaTable(str(out / "dc-b" / "joined")).delete()
+    assert list((out / "dc-b" / "joined").glob("hour=*/*.parquet"))  # still there, in no snapshot
     r = check_quality(out, logs, START, END)
     assert not r.success and r.failed == [NO_OUTCOME]
     assert r.no_outcome == N // 2  # dc-b's half
     assert r.samples["no_outcome"] == sorted(_click_id(START + i * 3_600_000 + 1) for i in range(1, N, 2))[:5]
 
 
-def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks(tmp_path: Path) -> None:
-    """An output file of other hours (its footer's click-time range holds no input click) is never opened; one of
-    this hour is, and a second joined copy there fails the hour."""
+def test_data_files_no_commit_names_are_never_counted(tmp_path: Path) -> None:
+    """A data file in a table's folder that no commit names is no output: a crashed batch's (its tasks staged it, its
+    registry commit never came), or a copy under a new name. Data quality reads the tables' snapshots, so dc-a's
+    committed joined file copied beside it is no click joined twice, and a crashed batch of dc-b holding the 7 clicks
+    no pipeline committed gives them no outcome. A reader that globs the folders reports 1,000 clicks joined twice
+    and 7 fewer without outcome."""
     w = World()
-    w.joined += [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]  # an older hour, in its own file
+    _file_never_read(w)
     out, logs = w.write(tmp_path)
-    old = pa.Table.from_pylist([r for r in w.joined if r["click_ts_us"] < START], schema=JOINED_SCHEMA)
-    pq.write_table(old, out / "dc-a" / "joined" / "part-old.parquet")
-    pq.write_table(old, out / "dc-b" / "joined" / "part-old.parquet")  # the older hour joined twice: not ours
+    (committed,) = (out / "dc-a" / "joined").glob("hour=*/*.parquet")
+    shutil.copy(committed, committed.with_name("b0000000002-e1-p0-copy.parquet"))
+    crashed = pa.Table.from_pylist([World.row(ts, "dc-b") for ts in UNREAD], schema=JOINED_SCHEMA)
+    assert tables.stage_rows(out / "dc-b", "joined", out / "_staging" / "crashed", "b0000000002-e1-p0", crashed, 2)
+    r = check_quality(out, logs, START, END)
+    assert r.failed == [NO_OUTCOME], r.details
+    assert (r.joined, r.joined_more_than_once, r.no_outcome) == (N, 0, len(UNREAD))
+    assert r.samples["no_outcome"] == sorted(_click_id(ts) for ts in UNREAD)[:5]
+    assert (r.output_files, r.output_files_read) == (4, 4)
+
+
+def test_a_committed_data_file_gone_is_an_error_not_an_hour_judged(tmp_path: Path) -> None:
+    """A data file a commit names, deleted by hand (not by a Delta delete and a vacuum): the table is broken and the
+    hour cannot be judged. One line naming the table, not half of dc-b's clicks reported without outcome."""
+    out, logs = World().write(tmp_path)
+    (committed,) = (out / "dc-b" / "joined").glob("hour=*/*.parquet")
+    committed.unlink()
+    with pytest.raises(QualityInputError, match=re.escape(f"output table {out / 'dc-b' / 'joined'} is unreadable")):
+        check_quality(out, logs, START, END)
+
+
+def test_completeness_reads_only_output_files_that_can_hold_the_intervals_clicks(tmp_path: Path) -> None:
+    """A data file of other hours (its hour partition and its click-time statistics hold no input click) is never
+    opened; one of this hour is, and a second joined copy there fails the hour."""
+    w = World()
+    out, logs = w.write(tmp_path)
+    old = [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]  # an older hour, in its own file
+    commit(out, "dc-a", {"joined": old}, batch=2)
+    commit(out, "dc-b", {"joined": old}, batch=2)  # the older hour joined twice: not ours
     r = check_quality(out, logs, START, END)
     assert r.success, r.details
-    assert (r.output_files, r.output_files_read) == (6, 4)  # part-0 of each pipeline and kind, not part-old
-    again = pa.Table.from_pylist([w.joined[1]], schema=JOINED_SCHEMA)  # dc-b's click, joined by dc-a too
-    pq.write_table(again, out / "dc-a" / "joined" / "part-2.parquet")
+    assert (r.output_files, r.output_files_read) == (6, 4)  # batch 1's of each pipeline and kind, not the old hour's
+    commit(out, "dc-a", {"joined": [{**w.joined[1], "pipeline": "dc-a"}]}, batch=3)  # dc-b's click, joined by dc-a too
     r = check_quality(out, logs, START, END)
     assert sorted(r.failed) == sorted([UNIQUE, TWICE])
     assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
+    assert (r.output_files, r.output_files_read) == (7, 5)
 
 
 def test_quarantine_reads_only_files_decided_since_the_interval_could_begin(tmp_path: Path) -> None:
-    """A pipeline's quarantine/ holds a file per batch with bad lines: a month of them by the time an hour is
-    checked. Only the files whose lines were decided since the interval's files could arrive (the index's
-    decided_at_us range) are opened; an old one is listed, not read (it was: every check read the whole history).
-    A file that turns up in the history later with lines of this hour's input still counts."""
+    """A pipeline's quarantine table holds a file per batch with bad lines: a month of them by the time an hour is
+    checked. Only the hour partitions from the one the interval's files could arrive in on are read (and of those the
+    files whose decided_at_us statistics reach it); an old one is in the snapshot, not read (it was: every check read
+    the whole history). A file committed later with lines of this hour's input still counts."""
     w = World()
     out, logs = w.write(tmp_path)
-    old = pa.Table.from_pylist(
-        [{**r, "decided_at_us": START - 2 * 24 * HOUR} for r in w.quarantine if r["pipeline"] == "dc-a"],
-        schema=QUARANTINE_SCHEMA,
-    )
+    old = [{**r, "decided_at_us": START - 2 * 24 * HOUR} for r in w.quarantine if r["pipeline"] == "dc-a"]
     for k in range(20):  # two days before: other hours' bad lines (their files are those of this test's World)
-        pq.write_table(old, out / "dc-a" / "quarantine" / f"part-old-{k}.parquet")
+        commit(out, "dc-a", {"quarantine": old}, batch=2 + k)
     r = check_quality(out, logs, START, END)
     assert r.success and r.quarantined == 5, r.details
-    assert (r.quarantine_files, r.quarantine_files_read) == (22, 2)  # part-0 of dc-a and dc-b
-    late = pa.Table.from_pylist(
-        [{**r, "line": r["line"] + 100, "decided_at_us": START + 30 * 60 * US} for r in w.quarantine[:3]],
-        schema=QUARANTINE_SCHEMA,
-    )
-    pq.write_table(late, out / "dc-a" / "quarantine" / "part-late.parquet")
+    assert (r.quarantine_files, r.quarantine_files_read) == (22, 2)  # batch 1's of dc-a and dc-b
+    late = [{**r, "line": r["line"] + 100, "decided_at_us": START + 30 * 60 * US} for r in w.quarantine[:3]]
+    commit(out, "dc-a", {"quarantine": late}, batch=22)
     r = check_quality(out, logs, START, END)
     assert r.quarantined == 8 and (r.quarantine_files, r.quarantine_files_read) == (23, 3), r
-
-
-def _write_sized(table: pa.Table, path: Path, size: int) -> None:
-    """``table`` written to ``path`` padded (key-value metadata) to exactly ``size`` bytes."""
-
-    def write(k: int) -> int:
-        with pq.ParquetWriter(path, table.schema) as writer:
-            writer.write_table(table)
-            writer.add_key_value_metadata({"pad": "x" * k})  # footer metadata: each character one byte
-        return path.stat().st_size
-
-    unpadded = write(0)
-    for k in range(max(0, size - unpadded - 8), size - unpadded + 1):  # a longer length prefix may take a byte more
-        if write(k) == size:
-            return
-    raise AssertionError(f"cannot pad {path} to {size} bytes")
-
-
-def test_completeness_sees_an_output_file_replaced_with_the_same_size_and_mtime(tmp_path: Path) -> None:
-    """An output file replaced under its name by one of the same size and modification time (a restore from a backup
-    or a copy that keeps mtimes, ``cp -p``/``rsync -a``, then a rename) is a new file: the index must not keep the
-    old one's click-time range, or the check never opens it and misses a click joined twice there (on the old code
-    the index was keyed by (size, mtime) only: the hour passed completeness)."""
-    w = World()
-    older = [World.row(START - 2 * HOUR + i, "dc-a") for i in range(100)]
-    out, logs = w.write(tmp_path)
-    path = out / "dc-a" / "joined" / "part-old.parquet"
-    _write_sized(pa.Table.from_pylist(older, schema=JOINED_SCHEMA), path, 8_000)
-    first = check_quality(out, logs, START, END)
-    assert first.success and first.output_files_read == 4, first.details  # part-old: not of this hour, not opened
-    st = path.stat()
-    twice = [{**w.joined[1], "pipeline": "dc-a"}, *older[1:]]  # dc-b's click of this hour, joined by dc-a too
-    tmp = path.with_name("restored.tmp")
-    _write_sized(pa.Table.from_pylist(twice, schema=JOINED_SCHEMA), tmp, st.st_size)
-    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.replace(tmp, path)
-    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
-    r = check_quality(out, logs, START, END)
-    assert TWICE in r.failed, r.details
-    assert (r.joined_more_than_once, r.samples["joined_more_than_once"]) == (1, [w.joined[1]["click_id"]])
 
 
 def test_an_unsettled_interval_neither_passes_nor_fails(tmp_path: Path) -> None:
@@ -605,3 +697,56 @@ def test_the_data_docs_index_lists_the_newest_results_only(tmp_path: Path) -> No
     listed = re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index)
     newest, before = (f"{datetime.fromtimestamp((END + k * HOUR) / US, UTC):%Y-%m-%dT%H}" for k in (2, 1))
     assert sorted(listed) == [before] + [newest] * 3, listed
+
+
+RUN_ONE = """
+import json, sys
+from pathlib import Path
+from photon.tools.quality import QualitySettings, check_quality
+out, logs, start, end = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+r = check_quality(out, logs, start, end, QualitySettings(**json.loads(sys.argv[5])))
+print(json.dumps({"success": r.success, "failed": r.failed}))
+sys.exit(0 if r.success else 1)
+"""
+
+
+def test_concurrent_runs_on_different_and_the_same_hours_all_succeed(tmp_path: Path) -> None:
+    """Airflow runs one data-quality task per hour, several at once after a backfill: five processes at once (four
+    hours, one of them twice) each pass, and the Data Docs site lists every hour. Was: the second run read GX's shared
+    expectation store while another rewrote it (``TypeError: ExpectationSuite() argument after ** must be a mapping,
+    not NoneType``)."""
+    import subprocess
+    import sys
+
+    out, logs = World().write(tmp_path)
+    # The hours after START have no input: accepted as empty, so that each run passes on its own.
+    hours = [START, START, END + HOUR, END + 2 * HOUR, END + 3 * HOUR]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RUN_ONE,
+                str(out),
+                str(logs),
+                str(h),
+                str(h + HOUR),
+                json.dumps(EMPTY_OK if h != START else {}),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for h in hours
+    ]
+    done = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    for code, stdout, stderr in done:
+        assert code == 0, stderr[-3000:] + stdout
+    index = (out / "_quality" / "data_docs" / "index.html").read_text()
+    listed = set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index))
+    assert listed == {f"{datetime.fromtimestamp(h / US, UTC):%Y-%m-%dT%H}" for h in hours}, listed
+
+
+EMPTY_OK: dict[str, Any] = {"allow_empty": True}

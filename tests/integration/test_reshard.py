@@ -133,6 +133,54 @@ def test_reshard_4_to_12_across_two_servers_while_two_joiners_run(
     assert rows.get((1, "main"), 0) > 0 and rows.get((2, "main"), 0) > 0 and rows.get((2, "pg2"), 0) > 0
 
 
+def test_a_reshard_completes_while_both_joiners_are_live_but_idle_and_they_then_route_by_it(
+    tmp_path: Path, servers: dict[str, str], spark: Any, login_as: Callable[[str, str], str]
+) -> None:
+    """A quiet night: both data centers' joiners run (heartbeating) but no log arrives, so no batch commits. Each
+    acknowledges the plan between batches, fenced by its lease, and the reshard activates (it aborted before: "not
+    acknowledged before the deadline by: dc-a, dc-b"). The logs that come after ``valid_from`` are then registered
+    in the new configuration's shards only, on both servers, each click once."""
+    as_joiner = {name: login_as(dsn, "photon_joiner") for name, dsn in servers.items()}
+    as_reshard = {name: login_as(dsn, "photon_reshard") for name, dsn in servers.items()}
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    for dc in ("dc-a", "dc-b"):
+        for kind in ("queries", "clicks"):
+            (logs / dc / kind).mkdir(parents=True)
+    settings = JoinSettings(max_join_delay_s=30, trigger_interval_s=0.2, heartbeat_s=0.5, max_clock_skew_s=1)
+    joiners = {dc: Joiner(dc, logs, out, as_joiner, spark, settings) for dc in ("dc-a", "dc-b")}
+    results: dict[str, list[Any]] = {}
+    threads = [
+        threading.Thread(target=lambda dc=dc: results.update({dc: joiners[dc].run(run_for_s=8)})) for dc in joiners
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1)  # both leases started, idle
+    report = reshard(as_reshard, num_shards=12, placement=["main", "pg2"], lead_s=4, max_clock_skew_s=1)
+    for t in threads:
+        t.join()
+    assert report.state == "active", report.reason
+    assert report.acknowledged == {"dc-a": 2, "dc-b": 2}
+    assert results == {"dc-a": [], "dc-b": []}  # no batch: acknowledged while idle
+
+    # Clicks stamped after valid_from, joined by the joiners that acknowledged v2 while idle.
+    time.sleep(max(0.0, report.valid_from_us / US + 6 - time.time()))
+    gen = GeneratorSettings(
+        events_per_s=400,
+        max_join_delay_s=30,
+        max_clock_skew_s=1.0,
+        late_query_file_fraction=0.0,
+        late_click_fraction=0.0,
+    )
+    generate(gen, logs, start_us=report.valid_from_us + 2 * US, end_us=report.valid_from_us + 5 * US)
+    for j in joiners.values():
+        j.run(until_caught_up=True, drain=True)
+    rows = rows_by_config(servers)
+    assert rows.get((1, "main"), 0) == 0  # nothing went by the old layout
+    assert rows.get((2, "main"), 0) > 0 and rows.get((2, "pg2"), 0) > 0
+    audited = audit(out, manifest=logs / "_manifest")
+    assert audited.ok and audited.duplicate_clicks == 0 and audited.lost == 0, audited.failures()
+
+
 # Bad days: two reshards at once, a crash or a slow lock in the middle of activation, a server whose clock is past
 # the deadline, and resharding as a least-privilege login.
 

@@ -19,6 +19,7 @@ import pytest
 
 from photon.pg import autocommit
 from photon.tools.audit import audit
+from tests.integration import output
 from tests.integration.test_airflow_local import free_port, outside_address, refused
 from tests.integration.test_joiner import ROOT, joined_ids, make_logs, registered_under
 
@@ -127,9 +128,8 @@ def loopback(ip: str) -> bool:
 
 
 def joined_ids_of(folder: Path) -> list[str]:
-    import pyarrow.parquet as pq
-
-    return [i for p in sorted(folder.glob("joined/*.parquet")) for i in pq.read_table(p)["click_id"].to_pylist()]
+    """The click ids committed to the joined table of the pipeline folder ``folder``."""
+    return output.ids(folder.parent, "joined", folder.name)
 
 
 def test_a_worker_with_other_code_refuses_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

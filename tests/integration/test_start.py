@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -28,6 +27,7 @@ from photon.registry.admin import init_registry
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
 from photon.tools.status import lag_lines, pipeline_status
+from tests.integration import output
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -42,8 +42,7 @@ def consumed_clicks(dsn: str, pipeline: str) -> set[str]:
 
 
 def joined(out: Path, pipeline: str) -> list[dict[str, Any]]:
-    folder = out / pipeline / "joined"
-    return pq.read_table(folder).to_pylist() if folder.is_dir() and any(folder.iterdir()) else []
+    return output.rows(out, "joined", pipeline)
 
 
 def test_a_pipelines_start_is_recorded_once_and_never_moves(
@@ -231,3 +230,25 @@ def test_a_new_pipelines_first_lease_heartbeats_while_it_indexes_the_queries_bef
     live.release()
     assert beat_while_building, "the lease's heartbeat never moved while it built the shared query index"
     assert query_index.index_root(out, "dc-a").is_dir()  # the real build ran
+
+
+def test_a_start_asked_of_an_existing_pipeline_warns_that_it_resumes_from_its_committed_position(
+    tmp_path: Path, servers: dict[str, str], spark: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--start now` (or a time) on a pipeline that exists is ignored, and says so, 'now' as well as a time."""
+    (tmp_path / "logs" / "dc-a" / "clicks").mkdir(parents=True)
+    state = PipelineState(servers["main"], "dc-a")
+    first = state.start_lease(start=NOW)
+    state.commit(first, 1, [])
+    caplog.set_level(logging.WARNING, logger="photon.joiner.lease")
+    for asked, said in ((NOW, "(now)"), (first.start_us - HOUR_US, "T")):
+        caplog.clear()
+        Joiner("dc-a", tmp_path / "logs", tmp_path / "out", servers, spark, JoinSettings(start=asked)).start()
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(
+            "dc-a: resumes from its committed position (after batch 1); the start asked for (" in m and said in m
+            for m in lines
+        ), lines
+    caplog.clear()
+    Joiner("dc-a", tmp_path / "logs", tmp_path / "out", servers, spark, JoinSettings()).start()  # the default
+    assert not [r for r in caplog.records if "start asked for" in r.getMessage()]

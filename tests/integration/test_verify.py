@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable
 
 from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
@@ -38,7 +38,11 @@ def click_ids(path: Path) -> list[str]:
 
 
 def joined_ids(out: Path) -> list[str]:
-    return [cid for p in sorted(out.glob("*/joined/*.parquet")) for cid in pq.read_table(p)["click_id"].to_pylist()]
+    return [
+        c
+        for p in sorted(out.glob("[!_]*/joined"))
+        for c in DeltaTable(str(p)).to_pyarrow_table()["click_id"].to_pylist()
+    ]
 
 
 def test_killed_joiner_losses_are_found_and_recovered(

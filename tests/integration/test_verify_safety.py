@@ -19,6 +19,7 @@ from typing import Any
 import psycopg2
 import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable
 
 from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
@@ -198,7 +199,7 @@ def test_missing_output_stops_the_verifier_and_changes_nothing(tmp_path: Path, r
         with pytest.raises(EvidenceMissingError, match="nothing was changed"):
             verify_and_recover(roles.verifier, wrong, logs, grace_s=0.0)
     # One output file deleted by hand: the batch's files no longer hold what it committed.
-    victim = sorted((out / "dc-a" / "joined").glob("*.parquet"))[0]
+    victim = sorted((out / "dc-a" / "joined").glob("hour=*/*.parquet"))[0]  # committed: nothing else was written
     kept = pq.read_table(victim)
     victim.unlink()
     with pytest.raises(EvidenceMissingError, match=victim.name.rsplit("-", 1)[0]):
@@ -470,7 +471,11 @@ def test_a_pass_that_lost_its_lock_never_publishes_another_pass_s_intent_early(
 
 
 def joined_ids_of(out: Path) -> list[str]:
-    return [c for p in sorted(out.glob("*/joined/*.parquet")) for c in pq.read_table(p)["click_id"].to_pylist()]
+    return [
+        c
+        for p in sorted(out.glob("[!_]*/joined"))
+        for c in DeltaTable(str(p)).to_pyarrow_table()["click_id"].to_pylist()
+    ]
 
 
 def test_missing_evidence_is_found_before_the_fence(tmp_path: Path, roles: Roles, spark: Any) -> None:
@@ -480,7 +485,7 @@ def test_missing_evidence_is_found_before_the_fence(tmp_path: Path, roles: Roles
     out = tmp_path / "out"
     strand_batch_2(logs, out, roles, spark)
     Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(max_batches=4)  # tokens not cleared yet
-    sorted((out / "dc-b" / "joined").glob("*.parquet"))[0].unlink()
+    sorted((out / "dc-b" / "joined").glob("hour=*/*.parquet"))[0].unlink()
     time.sleep(1.0)
     before = pipeline_row(roles.owner, "dc-a")
     with pytest.raises(EvidenceMissingError, match="nothing was changed"):

@@ -1,8 +1,8 @@
-"""The nemesis's checker. It reads files only (the pipelines' Parquet output, the logs, the generator's manifest) and
+"""The nemesis's checker. It reads files only (the pipelines' Delta tables, the logs, the generator's manifest) and
 shares no code with what it checks: no ``photon`` import, its own reading of every format, from ``EVENTS.md``.
 
-- :func:`duplicates`: click ids that appear more than once across every ``joined/`` folder (must be none, at every
-  moment).
+- :func:`duplicates`: click ids that appear more than once across every ``joined`` table's snapshot (must be none,
+  at every moment).
 - :func:`final`: once the input stopped and the verifier ran, every click has exactly one outcome; every click that
   must be joined is joined, to its own query; every malformed line is quarantined. A click joined although its
   query came after its deadline is allowed (a lease that was down looks late) and counted as a note.
@@ -15,37 +15,64 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from deltalake import DeltaTable
 
 US = 1_000_000
 
 
-def _parquet_files(out: Path, kind: str) -> list[Path]:
-    files = []
+def _tables(out: Path, kind: str) -> list[Path]:
+    """Every pipeline's ``kind`` table: a Delta table in each pipeline folder (``_*`` and ``.*`` folders are not
+    pipelines; a table not created yet holds nothing)."""
     if not out.is_dir():
-        return files
-    for pipeline in sorted(os.listdir(out)):
-        folder = out / pipeline / kind
-        if pipeline.startswith(("_", ".")) or not folder.is_dir():
-            continue
-        files += [folder / n for n in sorted(os.listdir(folder)) if n.endswith(".parquet") and n[0] not in "._"]
-    return files
+        return []
+    folders = [out / p / kind for p in sorted(os.listdir(out)) if not p.startswith(("_", "."))]
+    return [f for f in folders if DeltaTable.is_deltatable(str(f))]
 
 
-def _column(files: list[Path], *columns: str) -> list[tuple]:
-    rows: list[tuple] = []
-    for f in files:
-        t = pq.read_table(f, columns=list(columns))
-        rows += list(zip(*(t[c].to_pylist() for c in columns), strict=True))
-    return rows
+def _snapshots(out: Path, kind: str, *columns: str) -> list[tuple[str, int | None, list[tuple]]]:
+    """Per pipeline: its name, the last batch its ``kind`` table holds (the table's transaction version for
+    ``photon/<pipeline>``, EVENTS.md) and ``columns`` of every row of that same snapshot, read through the Delta log
+    (never the folder's files: a crashed batch's data files are there too, named by no commit). A row that is in a
+    snapshot twice is here twice."""
+    found = []
+    for f in _tables(out, kind):
+        table = DeltaTable(str(f))
+        t = table.to_pyarrow_dataset().to_table(columns=list(columns))
+        rows = list(zip(*(t[c].to_pylist() for c in columns), strict=True))
+        found.append((f.parent.name, table.transaction_version(f"photon/{f.parent.name}"), rows))
+    return found
+
+
+def _rows(out: Path, kind: str, *columns: str) -> list[tuple]:
+    """``columns`` of every pipeline's ``kind`` rows, each table as of its current snapshot."""
+    return [r for _, _, rows in _snapshots(out, kind, *columns) for r in rows]
+
+
+def _hour(ts_us: int) -> str:
+    """The ``hour`` partition a time belongs in (EVENTS.md): ``YYYYmmddHH``, UTC."""
+    return time.strftime("%Y%m%d%H", time.gmtime(ts_us // US))
+
+
+def wrong_hours(rows: list[tuple]) -> list[str]:
+    """Of joined rows (click id, click time, hour), the clicks whose ``hour`` is not the UTC hour of their click."""
+    return sorted(c for c, ts, h in rows if _hour(ts) != h)
+
+
+def wrong_batches(snapshots: list[tuple[str, int | None, list[tuple]]]) -> list[str]:
+    """Of rows (click id, batch) per table snapshot, the clicks whose ``batch`` is not one the snapshot holds: none,
+    below 1, or past the table's last published batch of the pipeline."""
+    return sorted(c for _, last, rows in snapshots for c, b in rows if b is None or not 1 <= b <= (last or 0))
 
 
 def duplicates(out: Path) -> list[str]:
-    counts = Counter(cid for (cid,) in _column(_parquet_files(out, "joined"), "click_id"))
+    """Click ids in more than one joined row, across every pipeline's table."""
+    counts = Counter(cid for (cid,) in _rows(out, "joined", "click_id"))
     return sorted(cid for cid, n in counts.items() if n > 1)
 
 
@@ -105,12 +132,15 @@ def final(logs: Path, out: Path, *, lost: list[str], max_join_delay_s: float, ma
     manifest = pq.read_table(logs / "_manifest" / "clicks.parquet").to_pylist()
     files = pq.read_table(logs / "_manifest" / "files.parquet").to_pylist()
     v.clicks = len(manifest)
-    joined = _column(_parquet_files(out, "joined"), "click_id", "query_id")
-    unjoinable = {cid for (cid,) in _column(_parquet_files(out, "unjoinable"), "click_id")}
-    times = Counter(cid for cid, _ in joined)
-    query_of = dict(joined)
+    snapshots = _snapshots(out, "joined", "click_id", "query_id", "click_ts_us", "hour", "batch")
+    joined = [r for _, _, rows in snapshots for r in rows]
+    unjoinable = {cid for (cid,) in _rows(out, "unjoinable", "click_id")}
+    times = Counter(cid for cid, *_ in joined)
+    query_of = {cid: q for cid, q, *_ in joined}
     v.joined, v.unjoinable = len(times), len(unjoinable - times.keys())
     v.add("duplicate", [c for c, n in times.items() if n > 1])
+    v.add("wrong_hour", wrong_hours([(cid, ts, h) for cid, _, ts, h, _ in joined]))
+    v.add("wrong_batch", wrong_batches([(p, last, [(r[0], r[4]) for r in rows]) for p, last, rows in snapshots]))
     truth = {r["click_id"]: r for r in manifest}
     v.add("invented", [c for c in times if c not in truth])
     v.add("wrong_query", [c for c, q in query_of.items() if c in truth and truth[c]["query_id"] != q])
@@ -132,7 +162,7 @@ def final(logs: Path, out: Path, *, lost: list[str], max_join_delay_s: float, ma
         must.append(c)
     v.must_join = len(must)
     v.add("must_join_not_joined", [c for c in must if c not in times])
-    quarantined = {(k, f, line) for k, f, line in _column(_parquet_files(out, "quarantine"), "kind", "file", "line")}
+    quarantined = {(k, f, line) for k, f, line in _rows(out, "quarantine", "kind", "file", "line")}
     # A file is named by its arrival partition and name, so each replica's copy is counted by its own name.
     per_file = Counter((k, n) for k, n, _ in quarantined)
     missing = []

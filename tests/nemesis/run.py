@@ -42,6 +42,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,9 @@ def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedd
     survivor = DCS[1 - DCS.index(lost)]
     beyond = rng.choice((-1, 1)) * rng.uniform(SKEW_S + 20, 150)
     faults.append(Fault(loss_at + rng.uniform(0.05, 0.15) * seconds, "clock", survivor, beyond))
+    # A kill drawn for the lost data center after its loss has no lease to hit: left out of the schedule (after the
+    # draws, so the rest stays as it was), not printed as a kill that never comes.
+    faults = [f for f in faults if not (f.kind == "kill" and f.target == lost and f.at_s >= loss_at)]
     faults = sorted(faults, key=lambda f: f.at_s)
     return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, faults, registry)
 
@@ -295,11 +299,22 @@ class Nemesis:
             registry = ClusterRegistry(LocalCluster(work / "cluster"))
         self.registry: EmbeddedRegistry | ClusterRegistry = registry or EmbeddedRegistry(work / "pg")
         self.rng = random.Random(p.seed + 1)
+        # Leases that die publishing (issue 34), drawn apart so that the other draws of a seed stay what they were.
+        self.publish_rng = random.Random(p.seed + 2)
+        self.publishing: dict[str, str] = {}  # dc -> the crash point of its running lease, if it is to die publishing
+        # Table maintenance beside the live joiners (compaction, checkpoint, vacuum), some runs SIGKILLed mid-way.
+        self.maint_rng = random.Random(p.seed + 3)
+        self.maintainer: subprocess.Popen[bytes] | None = None
+        self.maint_next_s = self.maint_rng.uniform(8.0, 20.0)
+        self.maint_kill_at: float | None = None
         self.outcome = Outcome(p.seed, p.seconds)
         self.joiners: dict[str, subprocess.Popen[bytes] | None] = dict.fromkeys(DCS)
         # A kill lands a random moment after the lease's first batch (its Spark session up), so that kills hit
         # batches rather than start-ups: dc -> seconds after that batch.
         self.kill_pending: dict[str, float] = {}
+        # Kills drawn for a data center while one is pending: each lands after a later lease's first batch, in turn
+        # (a second kill used to replace the first, so the schedule printed more kills than the summary counted).
+        self.kill_queue: dict[str, list[float]] = {dc: [] for dc in DCS}
         self.first_batch_at: dict[str, float | None] = dict.fromkeys(DCS)
         self.lease_log: dict[str, Path] = {}
         self.lost: set[str] = set()
@@ -418,6 +433,28 @@ class Nemesis:
         self.verifier_kill_at = now + kill_after if kill_after else None
         self.outcome.faults["verify"] += 1
 
+    def _maintain(self, now: float) -> None:
+        """`photon table maintain` every 10-25 s while the joiners append (one at a time, as its DAG runs it), 40% of
+        them SIGKILLed 0.2-3 s in: mid-compaction, mid-checkpoint or mid-vacuum."""
+        m = self.maintainer
+        if m is not None:
+            if m.poll() is None and self.maint_kill_at is not None and now >= self.maint_kill_at:
+                self.sigkill(m)
+                self.outcome.faults["maintain_killed"] += 1
+            if m.poll() is not None:
+                self.outcome.faults[f"maintain_exit_{m.returncode}"] += 1
+                self.maintainer = None
+                if m.returncode not in (0, -signal.SIGKILL):  # it found the tables wrong, or failed: never allowed
+                    log = sorted(self.proc_logs.glob("*-maintain.log"))[-1]
+                    raise AssertionError(f"seed {self.p.seed}: photon table maintain exited {m.returncode}: {log}")
+            return
+        if now < self.maint_next_s or not self.out.is_dir():  # no pipeline has started yet: nothing to maintain
+            return
+        self.maintainer = self._spawn("maintain", ["table", "maintain", "--out", str(self.out), "--json"], None)
+        self.maint_kill_at = now + self.maint_rng.uniform(0.2, 3.0) if self.maint_rng.random() < 0.4 else None
+        self.maint_next_s = now + self.maint_rng.uniform(10.0, 25.0)
+        self.outcome.faults["maintain"] += 1
+
     def _reap_verifier(self, now: float) -> None:
         v = self.verifier
         if v is None:
@@ -442,12 +479,19 @@ class Nemesis:
             # The data center's last lease dies in its second batch, after registering (clicks held by a pipeline
             # that will never commit them) or after committing (a batch that will never be published by it).
             self.lost.add(f.target)
+            self._drop_kills(f.target)  # no lease of it will run a batch for them to follow
             self.sigkill(self.joiners[f.target])
             self.dying[f.target] = "after_commit@+2" if f.arg else "after_register@+2"
             self.joiners[f.target] = self.lease(f.target, crash_at=self.dying[f.target])
             self.outcome.faults["lose_dc"] += 1
         elif f.kind == "kill" and f.target not in self.lost:
-            self.kill_pending[f.target] = self.rng.uniform(0.0, 6.0)
+            delay = self.rng.uniform(0.0, 6.0)
+            if f.target in self.kill_pending:
+                self.kill_queue[f.target].append(delay)
+            else:
+                self.kill_pending[f.target] = delay
+        elif f.kind == "kill":
+            self.outcome.faults["kill_not_landed"] += 1
         elif f.kind == "pg_restart" and self.pg_up_at is None:
             assert isinstance(self.registry, EmbeddedRegistry)
             self.registry.stop_hard()
@@ -532,7 +576,18 @@ class Nemesis:
             time.sleep(0.5)
 
     def _start_lease(self, dc: str, clock_s: float = 0.0) -> None:
-        self.joiners[dc] = self.lease(dc, clock_s=clock_s)
+        # A quarter of the leases die publishing a batch (SIGKILL, driver and all): between its registry commit and
+        # its table commits, or between the joined table's commit and the others'. The next lease, or the verifier,
+        # publishes it; the tables must hold it once.
+        # dc-b's leases always do, in their first batch, until one has (a short seed has one too); one started before
+        # the logs exist refuses at once.
+        crash_at = None
+        first = dc == "dc-b" and not self.outcome.faults["died_publishing"] and self.logs.is_dir()
+        if not clock_s and (first or self.publish_rng.random() < 0.25):
+            point = self.publish_rng.choice(("after_commit", "after_table_commit"))
+            crash_at = self.publishing[dc] = f"{point}@+{1 if first else self.publish_rng.randint(1, 3)}"
+            self.outcome.faults["publishing_drawn"] += 1
+        self.joiners[dc] = self.lease(dc, crash_at=crash_at, clock_s=clock_s)
         self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
         if clock_s:
             self.skewed[dc] = clock_s
@@ -568,6 +623,26 @@ class Nemesis:
         else:
             self.joiners[dc] = self.lease(dc, crash_at=self.dying[dc])
 
+    def _kill_if_due(self, dc: str, proc: subprocess.Popen[bytes], now: float) -> bool:
+        """The pending kill of ``dc`` lands once its delay has passed since the running lease's first batch; the next
+        one queued for it then waits for a later lease's first batch."""
+        first = self.first_batch_at[dc]
+        if first is None or dc not in self.kill_pending or now - first < self.kill_pending[dc]:
+            return False
+        del self.kill_pending[dc]
+        if self.kill_queue[dc]:
+            self.kill_pending[dc] = self.kill_queue[dc].pop(0)
+        self.sigkill(proc)
+        self.outcome.faults["kill"] += 1
+        return True
+
+    def _drop_kills(self, dc: str) -> None:
+        """Kills of ``dc`` that will not land (its data center lost, or the input stopped), counted: the summary's
+        kills and these add up to the schedule's."""
+        pending = [self.kill_pending.pop(dc)] if dc in self.kill_pending else []
+        self.outcome.faults["kill_not_landed"] += len(pending) + len(self.kill_queue[dc])
+        self.kill_queue[dc] = []
+
     def _owed(self) -> list[str]:
         """Faults drawn and not yet happened whose kind has not happened at all: kills waiting for a lease's batch
         (once the input has stopped, a lease may have no batch to run: a later kill owed after an earlier one landed
@@ -584,6 +659,7 @@ class Nemesis:
 
     def run(self) -> Outcome:
         t_wall = time.monotonic()
+        self.outcome.faults["kill_drawn"] = sum(1 for f in self.p.faults if f.kind == "kill")
         self.setup_registry()
         try:
             self._live()
@@ -623,6 +699,14 @@ class Nemesis:
                 if proc is not None and proc.poll() is not None:
                     self.outcome.joiner_exits[f"{dc}:{proc.returncode}"] += 1
                     self._skewed_exit(dc, proc.returncode)
+                    point = self.publishing.pop(dc, None)
+                    if (
+                        point
+                        and proc.returncode == -signal.SIGKILL
+                        # the spec is "<point>@+n"; the lease says "killed at <point> in batch k (<spec>)"
+                        and f"killed at {point.split('@')[0]} in batch" in self.lease_log[dc].read_text()
+                    ):
+                        self.outcome.faults["died_publishing"] += 1
                 if proc is None or proc.poll() is not None:
                     # Airflow starts the next lease (or retries a dead one)
                     self._start_lease(dc, self.next_clock.pop(dc, 0.0))
@@ -630,10 +714,7 @@ class Nemesis:
                 first = self.first_batch_at[dc]
                 if first is None and ran_a_batch(self.lease_log[dc]):
                     self.first_batch_at[dc] = first = now
-                if first is not None and dc in self.kill_pending and now - first >= self.kill_pending[dc]:
-                    del self.kill_pending[dc]
-                    self.sigkill(proc)
-                    self.outcome.faults["kill"] += 1
+                self._kill_if_due(dc, proc, now)
             while faults and faults[0].at_s <= now:
                 self._apply(faults.pop(0), now)
             if self.pg_up_at is not None and now >= self.pg_up_at:
@@ -643,6 +724,7 @@ class Nemesis:
             self._lose_primary(now)
             self._tend_failover()
             self._reap_verifier(now)
+            self._maintain(now)
             if now >= next_check:
                 self.check()
                 next_check = now + 3.0
@@ -661,9 +743,13 @@ class Nemesis:
             self.outcome.failovers.append(fo.summary())
         for dc in DCS:  # the input stopped: the last leases die where they stand
             self.sigkill(self.joiners[dc])
+            self._drop_kills(dc)
         if self.verifier is not None:
             self.verifier.wait()
             self._reap_verifier(time.monotonic() - t0)
+        if self.maintainer is not None:
+            self.maintainer.wait()
+            self._maintain(time.monotonic() - t0)
 
     def drain(self) -> None:
         """Each surviving pipeline until caught up and no retry is left (in this process on ``spark``, if given)."""
@@ -725,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--rate", type=float, default=300.0, help="events per second per replica")
-    ap.add_argument("--work", type=Path, default=None, help="keep the run's folder here (default: a temp folder)")
+    ap.add_argument("--work", type=Path, default=None, help="the run's folder, kept (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp folder of a run that passed")
     ap.add_argument(
         "--registry",
         choices=REGISTRIES,
@@ -741,9 +828,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, in {work}", flush=True)
     for f in p.faults:
         print(f"  {f.at_s:7.1f}s {f.kind} {f.target} {f.arg:.1f}", flush=True)
-    outcome = Nemesis(p, work).run()
-    print(json.dumps({**outcome.to_dict(), "work": str(work)}))
+    outcome: Outcome | None = None
+    try:
+        outcome = Nemesis(p, work).run()
+    finally:
+        kept = keep_work(work, owned=args.work is None, keep=args.keep, ok=outcome is not None and outcome.ok)
+        print(f"work folder {work}: {'kept' if kept else 'removed'}", flush=True)
+    print(json.dumps({**outcome.to_dict(), "work": str(work), "work_kept": kept}))
     return 0 if outcome.ok else 1
+
+
+def keep_work(work: Path, *, owned: bool, keep: bool, ok: bool) -> bool:
+    """Remove the run's folder (its logs, output and servers' data: hundreds of MB) if the run made it in the temporary
+    folder, passed and was not asked to keep it; a failed run's is kept to look into. True if it is kept."""
+    if not owned or keep or not ok:
+        return True
+    shutil.rmtree(work, ignore_errors=True)
+    return False
 
 
 if __name__ == "__main__":

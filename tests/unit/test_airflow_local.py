@@ -216,6 +216,41 @@ def test_the_api_tokens_are_signed_with_a_key_of_64_bytes_kept_per_airflow_home(
     assert deployment(other).environment({"PATH": "/usr/bin"})["AIRFLOW__API_AUTH__JWT_SECRET"] != first
 
 
+def test_the_log_token_key_is_long_enough_for_hs512(tmp_path: Path) -> None:
+    """The API server signs the token it sends a task's log server with ``[api] secret_key``, which Airflow makes
+    16 random bytes (24 characters): PyJWT's "The HMAC key is 24 bytes long" on the first log read. The deployment
+    makes one of 64 bytes and more once per AIRFLOW_HOME (mode 600), given to every component and airflow.cfg."""
+    import stat
+
+    first = deployment(tmp_path).environment({"PATH": "/usr/bin"})["AIRFLOW__API__SECRET_KEY"]
+    assert len(first.encode()) >= 64
+    again = deployment(tmp_path, verbose=True)
+    assert again.options()["api"]["secret_key"] == first
+    assert stat.S_IMODE((tmp_path / "airflow" / "api_secret_key").stat().st_mode) == 0o600
+
+
+def test_task_logs_are_served_on_loopback_at_the_deployments_port(tmp_path: Path) -> None:
+    """The API server reads a running task's log from the log server of the task's host (8793 by default); with
+    none (the scheduler started with --skip-serve-logs) every read of a running task's log printed three connection
+    errors of ~230 traceback lines. The scheduler's own binds every interface, so the deployment runs Airflow's log
+    server app on 127.0.0.1 at a port of its own, and a task's hostname is that address."""
+    from photon.airflow.standalone import loopback_hostname
+
+    d = deployment(tmp_path, log_server_port=15124)
+    commands = d.component_commands()
+    assert "--skip-serve-logs" in commands["scheduler"]
+    server = commands["log-server"]
+    assert "airflow.utils.serve_logs.log_server:get_app" in server
+    assert server[server.index("--host") + 1] == "127.0.0.1" and server[server.index("--port") + 1] == "15124"
+    env = d.environment({"PATH": "/usr/bin"})
+    assert env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] == "15124"
+    assert env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] == "photon.airflow.standalone.loopback_hostname"
+    assert env["AIRFLOW__CORE__DAGS_FOLDER"]  # the rest of the section kept
+    assert "AIRFLOW__LOGGING__NAMESPACE_LEVELS" in env  # the console's quiet levels kept alongside
+    assert loopback_hostname() == "127.0.0.1"
+    assert "log-server" not in deployment(tmp_path).component_commands()
+
+
 def test_a_spark_connect_server_is_a_component_stopped_with_the_api_server(tmp_path: Path) -> None:
     from photon.airflow.standalone import WORKERS
 
@@ -252,3 +287,60 @@ def test_a_backfill_task_joins_on_the_warm_server_only_when_it_runs_this_code(
     assert task.spark_remote() == {}  # type: ignore[attr-defined]
     monkeypatch.setenv("PHOTON_SPARK_REMOTE", "sc://elsewhere:1/;token=u")
     assert task.spark_remote() == {"PHOTON_SPARK_REMOTE": "sc://elsewhere:1/;token=u"}  # type: ignore[attr-defined]
+
+
+# Lines the LocalExecutor copied to the scheduler's output in a run of test_backfill_while_a_joiner_lease_runs.
+BATCH_LINE = (
+    "2026-11-28 17:31:47.601227+00:00 [info     ] dc-a batch 1: 1171 clicks, 1113 joined, 0 pre-filtered, 0 wasted, 58 "
+    "waiting, 0 unjoinable, 19 quarantined, 0.9s [airflow.task.hooks.airflow.providers.apache.spark.hooks.spark_submit."
+    "SparkSubmitHook] dag_id=photon_join_dc_a loc=spark_submit.py:965 map_index=-1 run_id=scheduled__2026-11-28T17:31:"
+    "23.523745+00:00 task_id=joiner_lease ti_id=01a22336-548f-74ba-b252-d820f299d04d try_number=1"
+)
+KILLED_LINE = (
+    "2026-11-28 17:33:03.052542+00:00 [error    ] Task failed with exception     [task] dag_id=photon_join_dc_a "
+    "error_detail=[{'exc_type': 'AirflowException', 'exc_value': 'Cannot execute: spark-submit --master local[*] ...', "
+    "'syntax_error': None, 'is_cause': False, 'frames': []}] loc=task_runner.py:1203 map_index=-1 "
+    "run_id=scheduled__2026-11-28T17:31:23.523745+00:00 task_id=joiner_lease try_number=1"
+)
+
+
+def test_a_tasks_line_reaches_the_console_as_its_message_and_who_said_it() -> None:
+    """A joiner's batch line reached the console at 433 characters, Airflow's task context appended (dag_id, run_id,
+    ti_id, ...; the task's log file keeps it): the console shows the time, the DAG and task, and the message."""
+    from photon.airflow.standalone import task_line
+
+    assert task_line(BATCH_LINE) == (
+        "17:31:47 photon_join_dc_a.joiner_lease: dc-a batch 1: 1171 clicks, 1113 joined, 0 pre-filtered, 0 wasted, "
+        "58 waiting, 0 unjoinable, 19 quarantined, 0.9s"
+    )
+    assert task_line(KILLED_LINE).startswith("17:33:03 photon_join_dc_a.joiner_lease: [error] Task failed")  # type: ignore[union-attr]
+    # A line of the project's own logger in a task (data quality's verdict) too.
+    verdict = BATCH_LINE.replace("[airflow.task.hooks.airflow.providers.apache.spark.hooks.spark_submit.", "[photon.")
+    assert task_line(verdict).startswith("17:31:47 photon_join_dc_a.joiner_lease: dc-a batch 1:")  # type: ignore[union-attr]
+    # Lines that are not a task's pass as they are.
+    other = (
+        "2026-11-28T17:32:27.482467Z [info     ] DagRun Finished: dag_id=photon_backfill, run_id=x "
+        "[airflow.models.dagrun.DagRun]"
+    )
+    assert task_line(other) == other
+    assert (
+        task_line("Simple auth manager | Password for user 'admin': x")
+        == "Simple auth manager | Password for user 'admin': x"
+    )
+
+
+def test_a_stop_reports_each_killed_lease_in_one_quiet_line() -> None:
+    """Stopping the deployment kills the leases on purpose: each said "Task failed with exception" at error level
+    (and its hook "Sending kill signal"), four lines for two leases. While stopping, one info line a task."""
+    from photon.airflow.standalone import task_line
+
+    assert (
+        task_line(KILLED_LINE, stopping=True) == "17:33:03 photon_join_dc_a.joiner_lease: stopped with the deployment"
+    )
+    sending = BATCH_LINE.replace(
+        "dc-a batch 1: 1171 clicks, 1113 joined, 0 pre-filtered, 0 wasted, 58 waiting, 0 "
+        "unjoinable, 19 quarantined, 0.9s",
+        "Sending kill signal to spark-submit",
+    )
+    assert task_line(sending, stopping=True) is None
+    assert task_line(BATCH_LINE, stopping=True) == task_line(BATCH_LINE)  # a batch that ends during the stop shows

@@ -42,3 +42,19 @@ def test_the_one_line_answer_groups_thousands_as_the_other_commands_do() -> None
         "[2026-11-25T01:00:00Z, 2026-11-25T02:00:00Z) is final (decided at 2026-11-25T04:42:12Z): 2,872 click files,"
         " 16,667 clicks"
     )
+
+
+def test_the_backfill_dag_passes_its_allow_empty_param_to_each_join() -> None:
+    """photon_backfill's ``allow_empty`` param reaches every data center's `photon join` as ``--allow-empty``, else
+    ``--no-allow-empty`` (rendered by Jinja as Airflow does): a window without logs or past the horizon fails unless
+    the run asks to accept it."""
+    import jinja2
+
+    from photon.airflow.dags import ALLOW_EMPTY, backfill_dag
+
+    dag = backfill_dag()
+    assert dag.params["allow_empty"] is False and dag.params.get_param("allow_empty").schema["type"] == "boolean"
+    assert dag.tasks and all(ALLOW_EMPTY in t.application_args for t in dag.tasks)
+    render = jinja2.Template(ALLOW_EMPTY).render
+    assert render(params={"allow_empty": True}) == "--allow-empty"
+    assert render(params={"allow_empty": False}) == "--no-allow-empty"

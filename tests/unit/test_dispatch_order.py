@@ -174,7 +174,7 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     assert sorted(taken) == [f"{part}/ahead.jsonl", f"{part}/behind.jsonl"]
     assert joiner.discovery.next_marks["clicks"] != part  # nothing left there: the mark moves on
     # The task reads a torn file only as the driver saw it settle (size, mtime); never by its mtime's age.
-    t = joiner.batches._task("t", 0, tmp_path / "stage", 0)
+    t = joiner.batches._task("t", 0, tmp_path / "stage", 0, 1)
     st = os.stat(ahead)
     assert t.settled[f"clicks/{part}/ahead.jsonl"] == [st.st_size, st.st_mtime_ns]
     assert read_whole(ahead, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'
@@ -241,7 +241,7 @@ def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is
     # The task reads it as it is then, even changed since the listing (it may never stop), once stable during the read
     from photon.joiner.tasks import read_whole
 
-    t = joiner.batches._task("t", 0, tmp_path / "stage", 0)
+    t = joiner.batches._task("t", 0, tmp_path / "stage", 0, 1)
     with open(growing, "ab") as fh:
         fh.write(b"\n{")
     as_listed = t.settled[f"clicks/{part}/growing.jsonl"]

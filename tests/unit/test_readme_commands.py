@@ -1,21 +1,26 @@
 """Every command the README shows works as written (issue 22): the code blocks' examples paste into a fresh shell in
 the clone after `make setup` (no venv on PATH, no AIRFLOW_HOME), and every `photon`, `airflow` and `make` command of
 the README, in a block or inline, names a command and options that exist, parsed by the real command-line parsers
-(typer's for `photon`, Airflow's own for `airflow` and `photon airflow-cli`) without running anything. The
-integration test test_airflow_local.py runs the backfill and data-quality blocks themselves."""
+(typer's for `photon`, Airflow's own for `airflow` and `photon airflow-cli`) without running anything, with their dates
+as pasted now. The examples' dates are computed when pasted, never fixed (a fixed one ages past the registry's
+horizon), and the first run's history, the backfill's hours and the hour checked line up. The integration tests
+test_readme_walk.py and test_airflow_local.py run the first run's block and the backfill and data-quality ones."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
+import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import typer.main
 
-from tests.readme_blocks import PROGRAMS, README, Command, code_blocks, commands
+from tests.readme_blocks import DATE, PROGRAMS, README, Command, block_after, code_blocks, commands, expand_dates
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDS_VENV = PROGRAMS - {"make", "source", "curl"}
@@ -41,8 +46,9 @@ def _inline_commands() -> list[Command]:
     return found
 
 
-BLOCKS = commands()
-EVERYWHERE = BLOCKS + _inline_commands()
+NOW = datetime.now(UTC)
+BLOCKS = [c.at(NOW) for c in commands()]
+EVERYWHERE = BLOCKS + [c.at(NOW) for c in _inline_commands()]
 
 
 def _id(c: Command) -> str:
@@ -155,3 +161,65 @@ def test_a_make_target_exists(command: Command) -> None:
     named = [w for w in words[words.index(next(w for w in words if w == "make")) + 1 :] if "=" not in w]
     assert named, f"README:{command.line}: `{command.text}`"
     assert set(named) <= targets, f"README:{command.line}: no make target {sorted(set(named) - targets)}"
+
+
+def test_the_readme_dates_are_what_gnu_date_prints() -> None:
+    """expand_dates, which the tests use for "pasted at this time", computes each of the README's `$(date ...)` as
+    GNU date does, at a minute before, at and after an hour's turn."""
+    found = set(DATE.findall(README.read_text()))
+    assert len(found) >= 4, found  # the first run's start, the backfill's two dates, the hour checked
+    for now in ("2026-03-01T00:00:00Z", "2026-03-01T00:59:59Z", "2026-02-28T23:30:00Z"):
+        for hours, fmt in found:
+            text = f"$(date -u -d '{hours} hours ago' +{fmt})"
+            gnu = subprocess.run(
+                ["date", "-u", "-d", f"{now} {hours} hours ago", f"+{fmt}"], capture_output=True, text=True, check=True
+            )
+            assert expand_dates(text, datetime.fromisoformat(now)) == gnu.stdout.strip(), (now, text)
+
+
+@pytest.mark.parametrize("command", [c for c in commands() if not c.is_synopsis], ids=_id)
+def test_an_example_names_no_fixed_date(command: Command) -> None:
+    """A date in an example is computed when pasted: a fixed one ages past the registry's 3-day horizon (a backfill
+    of 2026-11-20 joined nothing eight days later). Any command substitution is one expand_dates computes."""
+    assert not re.search(r"\d{4}-\d\d-\d\d", command.text), f"README:{command.line}: `{command.text}`"
+    command.at(NOW)
+
+
+def _option(command: Command, name: str) -> str:
+    words = command.words
+    return words[words.index(name) + 1]
+
+
+def _hour(text: str) -> datetime:
+    return datetime.fromisoformat(text[:13] + ":00:00").replace(tzinfo=UTC)
+
+
+@pytest.mark.parametrize("minute", [0, 1, 30, 59])
+def test_the_first_runs_history_the_backfill_and_the_quality_check_line_up(minute: int) -> None:
+    """Pasted in order within one hour: the first run's history (under "The joiner"), the backfill's hours and the
+    hour the data-quality example checks. Every backfilled hour holds some of the history (a run of an hour whose
+    replica has no click file fails), the hour checked is one of them and whole history, and each has ended and
+    settled (seal 60 s, maximum join delay 120 s, margin 120 s) when pasted. The "Logs" section's history is the
+    first run's."""
+    now = datetime(2026, 3, 1, 12, minute, 59, tzinfo=UTC)
+    first = [c.at(now) for c in block_after("A first run")]
+    generate = next(c for c in first if c.words[1] == "generate")
+    logs = next(c for c in commands() if c.section.startswith("Logs") and "historical" in c.text)
+    assert logs.text == block_after("A first run")[0].text, "the Logs section shows the first run's history"
+    start = datetime.fromisoformat(_option(generate, "--start"))
+    end = start + timedelta(seconds=float(_option(generate, "--duration")))
+    backfill = next(c for c in block_after("**Backfill history**")).at(now)
+    hours = []
+    hour = _hour(_option(backfill, "--from-date"))
+    while hour <= _hour(_option(backfill, "--to-date")):
+        hours.append(hour)
+        hour += timedelta(hours=1)
+    assert len(hours) >= 2, hours
+    for h in hours:
+        assert h < end and h + timedelta(hours=1) > start, f"the backfilled hour {h} holds none of [{start}, {end})"
+        assert h + timedelta(hours=1, seconds=300) <= now, f"the backfilled hour {h} has not settled at {now}"
+    trigger = next(c for c in block_after("To check one hour now") if "trigger" in c.words).at(now)
+    checked = _hour(json.loads(_option(trigger, "--conf"))["hour"])
+    assert checked in hours and start <= checked and checked + timedelta(hours=1) <= end, (checked, start, end)
+    rerun = next(c for c in block_after("**Re-run an hour**")).at(now)
+    assert _hour(_option(rerun, "--from-date")) in hours

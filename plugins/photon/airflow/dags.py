@@ -9,7 +9,8 @@ DAG's params (the form the UI shows on "Trigger DAG w/ config").
 
 Each DAG reaches the registry as its own component's login: the joiner and backfill DAGs as ``joiner``,
 photon_verify_recover and photon_finality (which only reads) as ``verifier``, photon_registry_gc as ``gc``,
-photon_reshard as ``reshard``; photon_data_quality reads only the output files.
+photon_reshard as ``reshard``; photon_data_quality reads only the output files, and photon_table_maintenance touches
+only the output tables.
 
 photon_finality declares each hour final (``photon.tools.completeness``): it writes the marker
 ``<out>/_final/<YYYYmmddHH>.json`` and emits an event of the asset ``photon://final/hourly`` (extra: the hour's
@@ -167,6 +168,10 @@ def _joiner_task(
     )
 
 
+# photon_backfill's allow_empty param as `photon join`'s flag (an argument always there: never an empty one).
+ALLOW_EMPTY = "{{ '--allow-empty' if params.allow_empty else '--no-allow-empty' }}"
+
+
 def backfill_dag() -> DAG:
     """Joins the logs of each data interval until caught up, one pipeline per data center and interval
     (``backfill-<dc>-<interval start as YYYYmmddHHMM>``), for ``airflow backfill create``. Safe to rerun and to run
@@ -183,7 +188,15 @@ def backfill_dag() -> DAG:
         max_active_runs=1,
         tags=["photon", "backfill"],
         default_args=retries(),
-        params={"max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners.")},
+        params={
+            "max_join_delay_s": Param(120.0, type="number", minimum=1, description="As for the joiners."),
+            "allow_empty": Param(
+                False,
+                type="boolean",
+                description="Run an interval whose replica holds no click file, or that ends before the registry's"
+                " horizon (refused otherwise: such a run joins nothing).",
+            ),
+        },
     ) as dag:
         # The data centers' tasks run one after the other, not side by side: the second one's registry pre-filter
         # drops what the first joined, so each click is joined once instead of by both and then thrown away by one
@@ -200,6 +213,7 @@ def backfill_dag() -> DAG:
                     *("--until-caught-up", "--drain"),
                     *("--window-start", "{{ data_interval_start.isoformat() }}"),
                     *("--window-end", "{{ data_interval_end.isoformat() }}"),
+                    ALLOW_EMPTY,
                 ],
                 timedelta(hours=6),
                 # A backfill task is short: on the warm server it skips a Spark start longer than its hour's join.
@@ -220,8 +234,9 @@ def data_quality_dag() -> DAG:
     passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``. Completeness: every well-formed click
     of the hour's click files has exactly one outcome. A manual run of an hour that has not settled by this host's
     clock (``settle_margin_s`` past the joiners' deadlines) is retried, neither passed nor failed; a final hour has
-    settled by definition. Latency is judged for the live pipelines only; quarantined lines count for the interval of
-    their log file (read from the logs), so a backfilled hour is judged like a live one (see
+    settled by definition. Latency is judged for clicks joined live only; quarantined lines count for the interval of
+    their log file (read from the logs), so a backfilled hour is judged like a live one; an hour without input fails
+    unless ``allow_empty``; rates over fewer than ``min_rate_denominator`` are reported, not judged (see
     ``photon.tools.quality``)."""
     with _dag(
         dag_id="photon_data_quality",
@@ -243,6 +258,19 @@ def data_quality_dag() -> DAG:
             "latency_mostly": Param(0.99, type="number", minimum=0, maximum=1),
             "max_unjoinable_rate": Param(0.05, type="number", minimum=0, maximum=1),
             "max_quarantine_rate": Param(0.05, type="number", minimum=0),
+            "min_rate_denominator": Param(
+                100,
+                type="integer",
+                minimum=1,
+                description="Judge the unjoinable rate from this many decided clicks on, the quarantine rate from this"
+                " many lines; below, report them only.",
+            ),
+            "min_click_files": Param(
+                1, type="integer", minimum=0, description="Fewer click files in the hour (all replicas) fails it."
+            ),
+            "allow_empty": Param(
+                False, type="boolean", description="Accept an hour without input (no click file): on purpose only."
+            ),
             "max_join_delay_s": Param(120.0, type="number", minimum=0, description="The joiners' maximum join delay."),
             "settle_margin_s": Param(
                 120.0,
@@ -259,8 +287,13 @@ def data_quality_dag() -> DAG:
             since the last one), else the manual run's."""
             events = context["triggering_asset_events"].get(FINAL_HOURLY, [])
             found = sorted({_event_interval(e.extra) for e in events})
+            # An hour declared final without input (photon_finality's allow_empty) is checked as accepted empty.
+            empty = {_event_interval(e.extra) for e in events if e.extra.get("empty_accepted")}
             if found:
-                return [{"start_us": a, "end_us": b, "declared_final": True} for a, b in found]
+                return [
+                    {"start_us": a, "end_us": b, "declared_final": True, "empty_accepted": (a, b) in empty}
+                    for a, b in found
+                ]
             from photon.tools.completeness import HOUR_US, hour_interval
 
             hour = context["params"].get("hour")
@@ -288,6 +321,9 @@ def data_quality_dag() -> DAG:
                 latency_mostly=float(p["latency_mostly"]),
                 max_unjoinable_rate=float(p["max_unjoinable_rate"]),
                 max_quarantine_rate=float(p["max_quarantine_rate"]),
+                min_rate_denominator=int(p["min_rate_denominator"]),
+                min_click_files=int(p["min_click_files"]),
+                allow_empty=bool(p["allow_empty"]) or bool(interval.get("empty_accepted")),
                 max_join_delay_s=float(p["max_join_delay_s"]),
                 settle_margin_s=float(p["settle_margin_s"]),
             )
@@ -347,7 +383,13 @@ class FinalSensor(BaseSensorOperator):
             Path(self.out),
             int(context["data_interval_start"].timestamp() * US),
             int(context["data_interval_end"].timestamp() * US),
-            FinalitySettings(float(p["max_join_delay_s"]), float(p["max_clock_skew_s"]), float(p["lost_after_s"])),
+            FinalitySettings(
+                float(p["max_join_delay_s"]),
+                float(p["max_clock_skew_s"]),
+                float(p["lost_after_s"]),
+                int(p["min_click_files"]),
+                bool(p["allow_empty"]),
+            ),
         )
         self.log.info("%s", summary(decision))
         for reason in decision.reasons[1:]:
@@ -377,6 +419,12 @@ def finality_dag() -> DAG:
                 minimum=0,
                 description="A data center none of whose pipelines heartbeated for this long is lost: not waited for.",
             ),
+            "min_click_files": Param(
+                1, type="integer", minimum=0, description="Fewer click files in the hour (all replicas): not final."
+            ),
+            "allow_empty": Param(
+                False, type="boolean", description="Declare an hour without input final (the marker records it)."
+            ),
         },
     ) as dag:
         wait = FinalSensor(
@@ -396,6 +444,7 @@ def finality_dag() -> DAG:
 
             path, marker = write_marker(Path(out), Finality.from_dict(decision))
             extra = {k: marker[k] for k in ("start", "end", "start_us", "end_us", "click_files", "input_clicks")}
+            extra["empty_accepted"] = bool(marker.get("empty_accepted"))
             context["outlet_events"][FINAL_HOURLY].extra = extra | {"marker": str(path)}
             return extra | {"marker": str(path)}
 
@@ -436,6 +485,50 @@ def registry_gc_dag() -> DAG:
             return report.to_dict()
 
         gc()
+    return dag
+
+
+def table_maintenance_dag() -> DAG:
+    """Hourly output table maintenance (``photon table maintain``, ``photon.tools.maintenance``): per pipeline and
+    table, compact each hour's small files, checkpoint, drop expired log files, vacuum the data files no commit names
+    once older than the retention. Safe beside the joiners and backfills appending; the report is the task's XCom."""
+    with _dag(
+        dag_id="photon_table_maintenance",
+        description="Photon output tables: compaction, checkpoint, vacuum",
+        schedule=HOURLY,
+        max_active_runs=1,
+        tags=["photon", "tables", "maintenance"],
+        default_args=retries(),
+        params={
+            "retention_hours": Param(
+                168,
+                type="integer",
+                minimum=24,  # photon.tools.maintenance.MIN_RETENTION_HOURS (a test holds them equal)
+                description="Vacuum unreferenced data files, and files a compaction replaced, this many hours old.",
+            ),
+            "pipelines": Param(
+                [], type="array", items={"type": "string"}, description="Only these pipelines; empty: all."
+            ),
+            "dry_run": Param(False, type="boolean", description="Report what would be done; change nothing."),
+        },
+    ) as dag:
+
+        @task(task_id="maintain_tables")
+        def run(out: str, **context: Any) -> dict[str, Any]:
+            from pathlib import Path
+
+            from photon.tools.maintenance import maintain
+
+            p = context["params"]
+            report = maintain(
+                Path(out),
+                list(p["pipelines"]) or None,
+                retention_hours=int(p["retention_hours"]),
+                dry_run=bool(p["dry_run"]),
+            )
+            return report.to_dict() | {"totals": report.totals()}
+
+        run(OUT)
     return dag
 
 

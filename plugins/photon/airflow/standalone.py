@@ -7,7 +7,8 @@
   backfill, data-quality, GC and verify tasks (``default_parallelism``).
 - The four components run as separate processes, each in its own session: ``api-server`` (bound to 127.0.0.1 unless
   told otherwise), ``scheduler``, ``dag-processor`` and ``triggerer``; the scheduler and the triggerer without their
-  log servers (the API server reads task logs from the local files; a log server listens on every interface).
+  log servers (Airflow's listen on every interface): instead Airflow's log server app runs on 127.0.0.1 as a fifth
+  process, ``log-server``, which the API server asks for a running task's log (``log_server_options``).
 - Quiet by default: the API server's HTTP access log (a line per request: every UI poll, every task heartbeat) and
   the DAG processor's per-parse bookkeeping are left out of the console, their warnings and errors kept
   (``QUIET_LOGGERS``); the DAG processor's statistics come every 5 minutes instead of 30 s. ``access_log`` brings the
@@ -30,6 +31,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -50,6 +52,9 @@ from photon.durable import secret_file
 
 # Stopped first: they run the tasks. The API server goes last, so that the tasks can report how they ended.
 WORKERS: dict[str, list[str]] = {
+    # Not the scheduler's own log server: Airflow binds it on every interface (host '' in
+    # airflow.utils.serve_logs.core), and this deployment listens on loopback only. LocalAirflow runs the same app on
+    # 127.0.0.1 instead (component_commands, "log-server").
     "scheduler": ["scheduler", "--skip-serve-logs"],
     "dag-processor": ["dag-processor"],
     "triggerer": ["triggerer", "--skip-serve-logs"],
@@ -89,6 +94,32 @@ SETTLE_MAX_S = 15.0  # ... but no longer than this after the API server first an
 
 
 _OUTPUT = threading.Lock()  # one line at a time: the components' relays and this process's own messages
+
+# A task's log line as the LocalExecutor copies it to the scheduler's output: time, level, message, then the task's
+# logger and every field of its context (dag_id, run_id, task_id, ti_id, try_number, map_index, loc), which made a
+# joiner's batch line some 450 characters wide. The task's own log file keeps all of it.
+_TASK_LINE = re.compile(r"^\d{4}-\d\d-\d\d[ T](?P<hms>\d\d:\d\d:\d\d)\S* \[(?P<level>\w+)\s*\] (?P<rest>.*)$")
+_TASK_CONTEXT = re.compile(r"\s+\[[\w.]+\] (?P<fields>.*\bdag_id=.*\btask_id=.*)$")
+_FIELD = re.compile(r"\b(dag_id|task_id)=([^\s,]+)")
+# What a task stopped by the deployment's own stop says, each a line per lease: not a failure of anything.
+_STOPPED_TASK = ("Task failed with exception", "Sending kill signal to", "Received SIGTERM", "Killing subprocess")
+
+
+def task_line(line: str, *, stopping: bool = False) -> str | None:
+    """A task's log line for the console: ``hh:mm:ss dag_id.task_id: message`` (the level where it is not info).
+    Other lines are returned as they are. While the deployment stops, a task's report of being killed is one info
+    line (``stopped with the deployment``), or nothing for the rest of what it says then: the stop is on purpose."""
+    m = _TASK_LINE.match(line)
+    ctx = _TASK_CONTEXT.search(m.group("rest")) if m else None
+    if m is None or ctx is None:
+        return line
+    fields = dict(_FIELD.findall(ctx.group("fields")))
+    who = ".".join(filter(None, (fields.get("dag_id"), fields.get("task_id"))))
+    message = m.group("rest")[: ctx.start()].rstrip()
+    level = m.group("level").lower()
+    if stopping and message.startswith(_STOPPED_TASK):
+        return f"{m.group('hms')} {who}: stopped with the deployment" if message.startswith(_STOPPED_TASK[0]) else None
+    return f"{m.group('hms')} {who}: {'' if level == 'info' else f'[{level}] '}{message}"
 
 
 def emit(name: str, line: str, out: IO[str] | None = None) -> None:
@@ -161,6 +192,8 @@ class LocalAirflow:
     components: Mapping[str, str] = field(default_factory=dict)
     # The port of the Spark Connect server kept warm for backfill tasks (photon spark-connect); None: no server.
     spark_connect_port: int | None = None
+    # The task log server's port on 127.0.0.1 (see component_commands); None: none runs.
+    log_server_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -172,7 +205,7 @@ class LocalAirflow:
         """This deployment's Airflow settings, by section: written into ``airflow.cfg`` (so that any ``airflow``
         command run with this ``AIRFLOW_HOME``, e.g. ``airflow backfill create``, reaches the same metadata database
         and reads the same DAGs and plugins) and given to the components in their environment."""
-        return {
+        options = {
             "core": {
                 "dags_folder": str(ROOT / "dags"),
                 "plugins_folder": str(ROOT / "plugins"),
@@ -183,9 +216,24 @@ class LocalAirflow:
                 "auth_manager": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
             },
             "database": {"sql_alchemy_conn": self.metadata_url},
-            "api": {"host": self.host, "port": str(self.port)},
+            "api": {"host": self.host, "port": str(self.port), "secret_key": self.api_secret_key()},
             "api_auth": {"jwt_secret": self.jwt_secret()},
             **self.logging_options(),
+        }
+        for section, values in self.log_server_options().items():
+            options[section] = options.get(section, {}) | values
+        return options
+
+    def log_server_options(self) -> dict[str, dict[str, str]]:
+        """The API server reads a running task's log from the log server of the host the task ran on
+        (``http://<ti.hostname>:<worker_log_server_port>/log/``; it always asks, even with the file in the shared
+        local folder) and, with nothing there, printed three connection errors of some 230 traceback lines each per
+        read. Here every task runs on this machine: its hostname is the loopback address the log server listens on."""
+        if self.log_server_port is None:
+            return {}
+        return {
+            "logging": {"worker_log_server_port": str(self.log_server_port)},
+            "core": {"hostname_callable": f"{__name__}.loopback_hostname"},
         }
 
     def logging_options(self) -> dict[str, dict[str, str]]:
@@ -246,6 +294,11 @@ class LocalAirflow:
         default is 16 bytes, which PyJWT warns is below the 64 that HS512 wants."""
         return secret_file(self.airflow_home / "jwt_secret", lambda: secrets.token_urlsafe(64))
 
+    def api_secret_key(self) -> str:
+        """The key the API server signs its requests to a task's log server with (HS512): 64 random bytes and more,
+        made once per AIRFLOW_HOME (``api_secret_key``, mode 600). Airflow's own is 16 bytes, and PyJWT warns."""
+        return secret_file(self.airflow_home / "api_secret_key", lambda: secrets.token_urlsafe(64))
+
     @property
     def config_file(self) -> Path:
         return self.airflow_home / "airflow.cfg"
@@ -253,6 +306,11 @@ class LocalAirflow:
     def component_commands(self) -> dict[str, list[str]]:
         airflow = str(Path(sys.executable).parent / "airflow")
         commands = {name: [airflow, *args] for name, args in WORKERS.items()}
+        if self.log_server_port is not None:
+            # Airflow's own log server app (what `airflow serve-logs` runs), on loopback: stopped with the API server.
+            commands["log-server"] = [sys.executable, "-m", "uvicorn", "airflow.utils.serve_logs.log_server:get_app"]
+            commands["log-server"] += ["--factory", "--host", "127.0.0.1", "--port", str(self.log_server_port)]
+            commands["log-server"] += ["--no-access-log", "--log-level", "warning"]
         if self.spark_connect_port is not None:
             # Stopped with the API server, after the tasks that use it.
             commands["spark-connect"] = [sys.executable, "-m", "photon", "spark-connect"]
@@ -277,9 +335,15 @@ def local_component_logins(airflow_home: Path, admin_dsn: str) -> dict[str, str]
     return ensure_component_logins(admin_dsn, json.loads(text))
 
 
+def loopback_hostname() -> str:
+    """``[core] hostname_callable`` of a deployment whose every task runs on this machine: the address its task log
+    server listens on (LocalAirflow.log_server_options)."""
+    return "127.0.0.1"
+
+
 def free_spark_connect_port() -> int:
     """A free port on loopback for the deployment's Spark Connect server (the tasks find it through the url file it
-    leaves in PHOTON_HOME, not by its port; two deployments on one machine never race for 15002)."""
+    leaves in PHOTON_HOME, not by its port; two deployments on one machine never race for 15002) or log server."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -382,6 +446,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._seen: dict[int, float] = {}  # every descendant seen: pid -> create time (a reused pid is not ours)
         self.last_output = time.monotonic()  # when a component last printed a line
+        self.stopping = threading.Event()  # set by stop(): the tasks' reports of being killed are expected
 
     def say(self, name: str, line: str) -> None:
         emit(name, line, self.out)
@@ -411,7 +476,11 @@ class Supervisor:
     def _relay(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         for raw in proc.stdout:
-            self.say(name, raw.decode("utf-8", "replace").rstrip())
+            line: str | None = raw.decode("utf-8", "replace").rstrip()
+            if line is not None and not self.deployment.verbose:
+                line = task_line(line, stopping=self.stopping.is_set())
+            if line is not None:
+                self.say(name, line)
             self.last_output = time.monotonic()
 
     def exited(self) -> dict[str, int]:
@@ -452,6 +521,7 @@ class Supervisor:
 
     def stop(self, on_step: Callable[[str], None] | None = None) -> None:
         step = on_step or (lambda _msg: None)
+        self.stopping.set()
         self.tree()  # record the tree before anything exits
         workers = [self.procs[n] for n in WORKERS if n in self.procs]
         step("stopping the scheduler, DAG processor and triggerer (running tasks get SIGTERM)")
@@ -645,6 +715,8 @@ def serve(
                 verbose=verbose,
                 components=embedded_component_logins(airflow_home, embedded, servers),
                 spark_connect_port=free_spark_connect_port() if spark_connect else None,
+                # A free one: two deployments on one machine (the tests, a second AIRFLOW_HOME) never race for 8793.
+                log_server_port=free_spark_connect_port(),
             )
             env = deployment.environment()
             say(f"registry: {redact(servers['main'])}")

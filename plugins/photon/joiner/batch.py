@@ -24,7 +24,8 @@ from photon.joiner.publish import publish_files
 from photon.joiner.state import Lease, PipelineState
 from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _source_task, _Task, read_markers
 from photon.logs.parse import BAD_FIELDS
-from photon.logs.schemas import QUARANTINE
+from photon.logs.schemas import JOINED, QUARANTINE
+from photon.logs.tables import stage_rows, staged_rows
 from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
@@ -96,7 +97,8 @@ class BatchRunner:
             make_dirs(path.parent)
             path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
             sources.append((kind, str(path), path.name))
-        rows = self._job(self._task("warm-up", now, folder / "stage", token=0), sources)  # no click registered
+        # No click registered (token 0); its made-up output stays in its own folder.
+        rows = self._job(self._task("warm-up", now, folder / "stage", 0, 0, root=folder / "out"), sources)
         decided = sum(int(r["unjoinable"]) for r in rows)
         if decided != len(clicks) or any(int(r["joined"]) or int(r["retried"]) for r in rows):
             raise AssertionError(f"warm-up batch: {len(clicks)} made-up clicks, got {[r.asDict() for r in rows]}")
@@ -111,10 +113,12 @@ class BatchRunner:
         due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
         return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
 
-    def _task(self, tag: str, now: int, stage: Path, token: int) -> _Task:
+    def _task(self, tag: str, now: int, stage: Path, token: int, batch: int, root: Path | None = None) -> _Task:
         return _Task(
             dc=self.pipeline,
             tag=tag,
+            batch=batch,
+            root=str(root or self.root),  # the warm-up's made-up output stays in its own folder
             now=now,
             stage=str(stage),
             state=str(self.state_dir),  # the workers' EventStore caches are keyed by it
@@ -165,7 +169,7 @@ class BatchRunner:
         t_start = time.time()
         now = self.clock.now_us()
         tag = batch_tag(k, lease.epoch)
-        t = self._task(tag, now, self.staging / tag, lease.token(k).value)
+        t = self._task(tag, now, self.staging / tag, lease.token(k).value, k)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
 
         sources = [("queries", str(self.logs / self.dc / "queries" / n), n) for n in q_files]
@@ -181,11 +185,11 @@ class BatchRunner:
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
         skipped, read = read_markers(Path(t.stage))
-        changed = self._quarantine_changed(Path(t.stage), tag, now)
+        changed = self._quarantine_changed(Path(t.stage), tag, now, k)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
         metrics["queries"] = index_rows(Path(t.stage) / "eventstore")
-        metrics["quarantined"] = _parquet_rows(Path(t.stage) / QUARANTINE)
+        metrics["quarantined"] = staged_rows(Path(t.stage), QUARANTINE)
         q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
         metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
         metrics["duration_s"] = time.time() - t_start
@@ -201,7 +205,7 @@ class BatchRunner:
             log.info("%s batch %d: %d file(s) still being written, left for later", self.pipeline, k, len(skipped))
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
-        self.publish(k, lease.epoch)
+        self.publish(k, lease.epoch, k - lease.last_batch)
         self.discovery.committed(files, read, changed, marks)  # consumed; behind the marks: forgotten
         self.retry_dir = self.state_dir / "retries" / t.tag
         self.last_batch = k
@@ -209,24 +213,26 @@ class BatchRunner:
         log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
         return BatchResult(k, metrics)
 
-    def _quarantine_changed(self, stage: Path, tag: str, now: int) -> int:
+    def _quarantine_changed(self, stage: Path, tag: str, now: int, batch: int) -> int:
         """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
-        from photon.joiner.eventstore import atomic_write
-
         changed = self.discovery.changed
         n = len(changed)
         for kind in ("queries", "clicks"):
             rows = [{k: v for k, v in r.items() if k != "kind"} for r in changed[:n] if r["kind"] == kind]
             if rows:
                 bad = pa.Table.from_pylist(rows, schema=BAD_FIELDS)
-                atomic_write(
-                    _quarantine(bad, self.pipeline, kind, now), stage / QUARANTINE / f"{tag}-changed-{kind}.parquet"
-                )
+                records = _quarantine(bad, self.pipeline, kind, now)
+                stage_rows(self.root, QUARANTINE, stage, f"{tag}-changed-{kind}", records, batch)
         return n
 
-    def publish(self, k: int, epoch: int) -> None:
-        """Batch ``k`` of lease ``epoch``, committed: its files into place, then marked published."""
-        publish_files(self.root, batch_tag(k, epoch))
+    def publish(self, k: int, epoch: int, lease_batch: int = 0) -> None:
+        """Batch ``k`` of lease ``epoch``, committed: its files committed to the tables, then marked published."""
+
+        def crash_point(kind: str) -> None:  # the joined table holds the batch, the others not yet
+            if kind == JOINED:
+                _maybe_crash("after_table_commit", k, lease_batch)
+
+        publish_files(self.root, self.pipeline, k, epoch, crash_point)
         self.state.mark_published(k)
 
 
@@ -249,10 +255,3 @@ def balanced_groups(sizes: list[int], n: int) -> list[list[int]]:
         groups[g].append(i)
         load[g] += sizes[i] + 1
     return [sorted(g) for g in groups if g]
-
-
-def _parquet_rows(folder: Path) -> int:
-    """Rows written under a folder, from the Parquet footers: no Spark job needed to count what was written."""
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in folder.rglob("*.parquet")) if folder.is_dir() else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -104,9 +105,17 @@ class BatchResult:
 
 def _maybe_crash(point: str, batch_seq: int, lease_batch: int) -> None:
     """Fault injection for tests: PHOTON_CRASH_AT=<point>@<batch> kills this process with SIGKILL right there;
-    ``<point>@+<n>`` at the lease's n-th batch."""
-    if os.environ.get("PHOTON_CRASH_AT") in (f"{point}@{batch_seq}", f"{point}@+{lease_batch}"):
-        os.kill(os.getpid(), signal.SIGKILL)
+    ``<point>@+<n>`` at the lease's n-th batch; ``...:SIGTERM`` (or another signal's name) sends that signal instead,
+    as an operator's stop would land mid-batch (``:group-SIGTERM``: to the whole process group, Spark's JVM too, as
+    systemd stops a service); several, comma-separated."""
+    for spec in os.environ.get("PHOTON_CRASH_AT", "").split(","):
+        where, _, name = spec.partition(":")
+        if where in (f"{point}@{batch_seq}", f"{point}@+{lease_batch}"):
+            print(f"PHOTON_CRASH_AT: killed at {point} in batch {batch_seq} ({spec})", file=sys.stderr, flush=True)
+            if name.startswith("group-"):
+                os.killpg(os.getpgrp(), signal.Signals[name.removeprefix("group-")])
+            else:
+                os.kill(os.getpid(), signal.Signals[name] if name else signal.SIGKILL)
 
 
 def batch_tag(batch: int, epoch: int) -> str:

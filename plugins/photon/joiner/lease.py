@@ -25,6 +25,7 @@ from photon.joiner.batch import BatchRunner
 from photon.joiner.common import (
     BEGINNING,
     HOLD_POLL_S,
+    NOW,
     RECOVER_RETRIES,
     SUCCESSOR_WAIT_S,
     US,
@@ -34,8 +35,9 @@ from photon.joiner.common import (
 )
 from photon.joiner.discovery import Discovery, oldest_partition, query_index_range
 from photon.joiner.eventstore import RECOVER_STORE, read_store_file
-from photon.joiner.state import Lease, PipelineState
+from photon.joiner.state import Heartbeat, Lease, PipelineState
 from photon.logs.layout import partition_start_us
+from photon.logs.tables import ensure_tables
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.spark_session import default_parallelism
 
@@ -79,10 +81,13 @@ class Joiner:
         self.root = out / self.pipeline
         self.state_dir = self.root / "_state"
         self.staging = self.root / "_staging"
+        ensure_tables(self.root)  # before any lease: an --out holding something else is refused, untouched
         self.lease: Lease | None = None
         self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
         self.discovery = Discovery(logs, dc, self.pipeline, self.s, self.clock)
-        self.term = Term(self.state, self.pipeline, self.s.trigger_interval_s)
+        self.stopping = threading.Event()  # set by stop(): the loop ends after the batch in progress
+        self.stopped_by: str | None = None
+        self.term = Term(self.state, self.pipeline, self.s.trigger_interval_s, self.stopping)
         self.batches = BatchRunner(
             dc=dc,
             pipeline=self.pipeline,
@@ -138,12 +143,14 @@ class Joiner:
         self.discovery.restart(marks, self.state.consumed(marks), lease.start_us)
         if not committed:
             self._say_where_it_starts(lease.start_us, marks, now)
-        if isinstance(self.s.start, int) and self.s.window_start_us is None and self.s.start != lease.start_us:
+        asked = self.s.start
+        if self.s.window_start_us is None and not lease.created and asked != BEGINNING and asked != lease.start_us:
+            # "now" on an existing pipeline is never its start either (its start was the clock when it was created).
             log.warning(
-                "%s: started at %s when it was created; the start asked for now (%s) is ignored: a pipeline's start "
-                "never moves",
-                *(self.pipeline, "the beginning" if lease.start_us is None else _when(lease.start_us)),
-                _when(self.s.start),
+                "%s: resumes from its committed position (after batch %d); the start asked for (%s) is ignored: a "
+                "pipeline's start is recorded when it is created (here %s) and never moves",
+                *(self.pipeline, lease.last_batch, "now" if asked == NOW else _when(int(asked))),
+                "the beginning of the logs" if lease.start_us is None else _when(lease.start_us),
             )
         self.batches.last_batch = self.lease.last_batch
         last = max(committed, default=None)
@@ -176,6 +183,12 @@ class Joiner:
     def release(self) -> None:
         if self.lease is not None:
             self.state.release(self.lease)
+
+    def stop(self, why: str) -> None:
+        """Ask the loop to end after the batch in progress (a signal handler may call it): its batch commits and
+        publishes, no other starts, and ``run`` returns; the caller then releases the lease."""
+        self.stopped_by = self.stopped_by or why
+        self.stopping.set()
 
     def _say_where_it_starts(self, start_us: int | None, marks: Mapping[str, str | None], now_us: int) -> None:
         """A new live pipeline says where it starts reading, once per lease until its first commit; one that starts
@@ -280,8 +293,8 @@ class Joiner:
         if self.lease is None:
             self.start()
         assert self.lease is not None
-        with self.state.heartbeating(self.lease, self.s.heartbeat_s):
-            results = self._loop(run_for_s, until_caught_up, drain, max_batches, on_batch, hand_over_wait_s)
+        with self.state.heartbeating(self.lease, self.s.heartbeat_s) as beat:
+            results = self._loop(run_for_s, until_caught_up, drain, max_batches, on_batch, hand_over_wait_s, beat)
         if self.clock_error is not None:  # its batches are committed; the caller releases the lease and fails
             raise self.clock_error
         return results
@@ -294,6 +307,7 @@ class Joiner:
         max_batches: int | None,
         on_batch: Callable[[BatchResult], None] | None,
         hand_over_wait_s: float = 0.0,
+        beat: Heartbeat | None = None,
     ) -> list[BatchResult]:
         lease = self.lease
         assert lease is not None
@@ -305,7 +319,9 @@ class Joiner:
         retried_since_files = False
         while True:
             t0 = time.monotonic()
-            if self._clock_off():
+            if beat is not None and beat.fenced is not None:  # idle, or it would have failed its next commit
+                raise beat.fenced
+            if self.stopping.is_set() or self._clock_off():
                 break
             q_files, c_files = self.discovery.new_files()
             pending, due = self.batches.retry_counts()
@@ -323,8 +339,10 @@ class Joiner:
                 results.append(self.batches.run_batch(lease, k, q_files, c_files))
                 if on_batch:
                     on_batch(results[-1])
-            if max_batches is not None and len(results) >= max_batches:
-                break
+            elif beat is not None and beat.behind:  # idle, and the heartbeat found a newer configuration
+                beat.behind = not self._acknowledge(lease)
+            if self.stopping.is_set() or (max_batches is not None and len(results) >= max_batches):
+                break  # a stop never holds on for a standby: the release hands over at once
             if deadline is not None and self.term.lease_over(t0, deadline, hand_over_wait_s):
                 break
             if self.term.pause(t0 + self.s.trigger_interval_s, deadline, hand_over_wait_s):
@@ -332,6 +350,19 @@ class Joiner:
         return results
 
     clock_error: ClockSkewError | None = None  # why the last run() stopped early: this host's clock drifted off
+
+    def _acknowledge(self, lease: Lease) -> bool:
+        """An idle trigger acknowledges a newer shard configuration, as a batch commit would: a quiet data center
+        must not hold up a reshard (``PipelineState.acknowledge``; here, in the loop thread, no batch is in flight).
+        False if the registry could not be reached (the next idle trigger asks again)."""
+        try:
+            version = self.state.acknowledge(lease, self.batches.last_batch)
+        except Exception as exc:
+            log.debug("%s: cannot acknowledge the shard configuration: %s", self.pipeline, exc)
+            return False
+        if version is not None:
+            log.info("%s: acknowledged shard configuration v%d (idle: between batches)", self.pipeline, version)
+        return True
 
     def _clock_off(self) -> bool:
         """Between batches, once per heartbeat period: measure the offset to the server again; True (and
@@ -358,8 +389,11 @@ class Term:
     standby of the pipeline is still starting (``PipelineState.successor``), up to ``wait_s`` past its term, as soon
     as the standby is ready."""
 
-    def __init__(self, state: PipelineState, pipeline: str, trigger_interval_s: float):
+    def __init__(
+        self, state: PipelineState, pipeline: str, trigger_interval_s: float, stopping: threading.Event | None = None
+    ):
         self.state, self.pipeline, self.trigger_interval_s = state, pipeline, trigger_interval_s
+        self.stopping = stopping or threading.Event()  # a stop ends the pause at once
         self.held_s = 0.0  # how long the last run went on past its term, waiting for a standby to be ready
         self.holding = False
         self._asking: Future[str | None] | None = None
@@ -391,9 +425,9 @@ class Term:
         stretches the hold, and no trigger starts past the bound (a batch begun before it still runs to its end)."""
         while (left := next_at - time.monotonic()) > 0:
             if not self.holding or deadline is None:
-                time.sleep(left)
-                return False
-            time.sleep(min(HOLD_POLL_S, left))
+                return self.stopping.wait(left)
+            if self.stopping.wait(min(HOLD_POLL_S, left)):
+                return True
             if self.lease_over(next_at - self.trigger_interval_s, deadline, wait_s):
                 return True
         return False

@@ -49,6 +49,15 @@ class FencedError(RuntimeError):
     """This lease's epoch is no longer current, or the batch is out of order: stop, commit nothing."""
 
 
+@dataclass
+class Heartbeat:
+    """What a lease's heartbeat thread found: set once it finds the lease fenced (it stops beating then); whether a
+    shard configuration newer than the one the pipeline acknowledged exists (an idle loop then acknowledges it)."""
+
+    fenced: FencedError | None = None
+    behind: bool = True  # until the first beat says otherwise: a lease's first idle trigger asks
+
+
 @dataclass(frozen=True)
 class Lease:
     pipeline: str
@@ -58,6 +67,7 @@ class Lease:
     # Where the pipeline started reading, as recorded when it was created: epoch microseconds, or None for the
     # beginning of the logs (discovery.start_marks).
     start_us: int | None = None
+    created: bool = False  # this lease created the pipeline (recorded its start)
 
     def token(self, batch_seq: int) -> Token:
         # The token names (pipeline, batch), not the lease: a lease that re-runs batch k after a crash finds the
@@ -149,7 +159,12 @@ class PipelineState:
         finally:
             conn.close()
         return Lease(
-            self.pipeline, int(epoch), int(owner_id), int(last_batch), None if start_us is None else int(start_us)
+            self.pipeline,
+            int(epoch),
+            int(owner_id),
+            int(last_batch),
+            None if start_us is None else int(start_us),
+            created=row is None,
         )
 
     def consumed(self, since: Mapping[str, str | None] | None = None) -> set[tuple[str, str]]:
@@ -254,11 +269,14 @@ class PipelineState:
                     (batch_seq, config_version, self.pipeline, lease.epoch, batch_seq - 1),
                 )
                 if cur.rowcount == 0:
-                    cur.execute("SELECT epoch, last_batch FROM photon.pipelines WHERE pipeline = %s", (self.pipeline,))
-                    epoch, last = cur.fetchone()
+                    cur.execute(
+                        "SELECT epoch, last_batch, lease_owner FROM photon.pipelines WHERE pipeline = %s",
+                        (self.pipeline,),
+                    )
+                    epoch, last, holder = cur.fetchone()
                     conn.rollback()
                     if epoch != lease.epoch:
-                        raise FencedError(f"{self.pipeline}: lease epoch {lease.epoch} superseded by {epoch}")
+                        raise FencedError(_superseded(self.pipeline, lease.epoch, epoch, holder))
                     if last >= batch_seq and self._committed_by(batch_seq, lease.epoch):
                         return False
                     raise FencedError(f"{self.pipeline}: batch {batch_seq} out of order (last committed {last})")
@@ -302,6 +320,26 @@ class PipelineState:
                 sync_barrier(cur)  # "committed already" only once a standby holds that commit (pg.py says why)
             return row is not None and int(row[0]) == epoch
 
+    def acknowledge(self, lease: Lease, last_batch: int) -> int | None:
+        """An idle lease acknowledges the newest shard configuration (planned or active) without a batch: the
+        version it acknowledged now, or None if there was nothing newer to acknowledge. Called from the lease's
+        loop thread between batches only, so no batch of this lease is in flight: one that routed its ids earlier
+        has committed (or failed) already, and the next one starts after this. Fenced as a batch commit is: only while
+        ``lease.epoch`` is current and the pipeline's last batch is still ``last_batch`` (a successor lease acknowledges
+        for itself). Why an acknowledgement is safe at all is said in ``photon.registry.reshard`` (step 2)."""
+        with autocommit(self.dsn) as conn, conn.cursor() as cur:
+            # Writes only when there is something newer: an idle joiner asks once per trigger, and a row updated for
+            # nothing would cost a replicated commit every second.
+            cur.execute(
+                "UPDATE photon.pipelines p SET config_version = c.newest, heartbeat_at = now(), updated_at = now()"
+                " FROM (SELECT max(version) AS newest FROM photon.shard_config WHERE state IN ('planned', 'active')) c"
+                " WHERE p.pipeline = %s AND p.epoch = %s AND p.last_batch = %s AND p.config_version < c.newest"
+                " RETURNING p.config_version",
+                (self.pipeline, lease.epoch, last_batch),
+            )
+            row = cur.fetchone()
+        return None if row is None else int(row[0])
+
     def mark_published(self, batch_seq: int) -> None:
         # Again after a failover: setting published twice is setting it once.
         across_failover(lambda: self._mark_published(batch_seq))
@@ -314,17 +352,21 @@ class PipelineState:
             )
 
     @contextlib.contextmanager
-    def heartbeating(self, lease: Lease, every_s: float) -> Iterator[None]:
+    def heartbeating(self, lease: Lease, every_s: float) -> Iterator[Heartbeat]:
         """Heartbeat every ``every_s`` seconds while the block runs, idle or in a long batch: the verifier fences a
         pipeline only after a grace period without one, so a live joiner is never taken for a gone one. The thread
-        stops at the block's end or once the lease is superseded; a registry that cannot be reached is retried."""
+        stops at the block's end or once the lease is superseded (``Heartbeat.fenced`` then says by whom, for the
+        loop to stop on); a registry that cannot be reached is retried."""
         stop = threading.Event()
+        state = Heartbeat()
 
         def beat() -> None:
             while not stop.wait(every_s):
                 try:
-                    self._heartbeat(lease)  # one try: the next beat is the retry (and the block's end never waits)
-                except FencedError:
+                    # One try: the next beat is the retry (and the block's end never waits).
+                    state.behind = self._heartbeat(lease) or state.behind
+                except FencedError as exc:
+                    state.fenced = exc
                     return
                 except Exception as exc:  # the registry is down: the next beat tries again
                     log.warning("%s: heartbeat failed: %s", self.pipeline, exc)
@@ -332,7 +374,7 @@ class PipelineState:
         thread = threading.Thread(target=beat, name=f"photon-heartbeat-{self.pipeline}", daemon=True)
         thread.start()
         try:
-            yield
+            yield state
         finally:
             stop.set()
             thread.join(timeout=10)
@@ -458,11 +500,27 @@ class PipelineState:
         # Again after a failover: a beat twice is a beat (FencedError is not retried: the lease is over).
         across_failover(lambda: self._heartbeat(lease))
 
-    def _heartbeat(self, lease: Lease) -> None:
+    def _heartbeat(self, lease: Lease) -> bool:
+        """One beat; True if a shard configuration newer than the one the pipeline acknowledged exists (planned or
+        active), asked here so that an idle lease asks nothing more of the registry until one does."""
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
-                "UPDATE photon.pipelines SET heartbeat_at = now() WHERE pipeline = %s AND epoch = %s",
+                "UPDATE photon.pipelines SET heartbeat_at = now() WHERE pipeline = %s AND epoch = %s"
+                " RETURNING config_version < (SELECT coalesce(max(version), 0) FROM photon.shard_config"
+                "  WHERE state IN ('planned', 'active'))",
                 (self.pipeline, lease.epoch),
             )
-            if cur.rowcount == 0:
-                raise FencedError(f"{self.pipeline}: lease epoch {lease.epoch} superseded")
+            row = cur.fetchone()
+            if row is None:
+                cur.execute("SELECT epoch, lease_owner FROM photon.pipelines WHERE pipeline = %s", (self.pipeline,))
+                row = cur.fetchone()
+                raise FencedError(_superseded(self.pipeline, lease.epoch, *(row or (None, None))))
+            return bool(row[0])
+
+
+def _superseded(pipeline: str, epoch: int, by_epoch: int | None, by_holder: str | None) -> str:
+    """What a fenced lease says: which lease fenced it, as far as the registry knows."""
+    if by_holder:
+        return f"{pipeline}: lease epoch {epoch} was fenced by lease epoch {by_epoch}, held by {by_holder}"
+    # The verifier fences a pipeline it took for gone without taking a lease; or the lease that fenced it ended.
+    return f"{pipeline}: lease epoch {epoch} was fenced: the pipeline is at epoch {by_epoch}, held by no lease now"

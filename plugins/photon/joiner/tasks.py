@@ -47,13 +47,13 @@ from photon.logs.parse import (
 )
 from photon.logs.schemas import (
     JOINED,
-    JOINED_SCHEMA,
     QUARANTINE,
     QUARANTINE_SCHEMA,
     RAW_CAP_BYTES,
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
+from photon.logs.tables import stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
 
@@ -234,6 +234,14 @@ class _Task:
     # the server's environment, and may have imported older code.
     replication: str = "required"
     code: str = ""
+    batch: int = 0  # the batch's number: every output row carries it (photon.logs.tables)
+    # <out>/<pipeline>: the output tables' folder, where the tasks write their data files ("": the stage's
+    # <root>/_staging/<tag>)
+    root: str = ""
+
+    @property
+    def tables_root(self) -> Path:
+        return Path(self.root) if self.root else Path(self.stage).parent.parent
 
 
 def ends_whole(path: str | Path, st: os.stat_result) -> bool:
@@ -303,7 +311,7 @@ def _source_task(
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
-        from photon.joiner.eventstore import atomic_write, index_of, write_index
+        from photon.joiner.eventstore import index_of, write_index
 
         check_code(t.code, t.adapter)
 
@@ -342,8 +350,8 @@ def _source_task(
                 good, offsets, lengths = good.filter(pa.array(plausible)), offsets[plausible], lengths[plausible]
                 bad = pa.concat_tables([bad, _quarantine_implausible(rel, content, kind, now, t.max_future_s)])
             if bad.num_rows:
-                name = f"{t.tag}-{kind[0]}{i:06d}.parquet"
-                atomic_write(_quarantine(bad, t.dc, kind, t.now), stage / QUARANTINE / name)
+                quarantine = _quarantine(bad, t.dc, kind, t.now)
+                stage_rows(t.tables_root, QUARANTINE, stage, f"{t.tag}-{kind[0]}{i:06d}", quarantine, t.batch)
             n = good.num_rows
             if kind == "queries":
                 stored.append(index_of(good, rel, offsets, lengths))
@@ -408,7 +416,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
 
     counts = dict.fromkeys(JOIN_COUNTS, 0)
     stage, state = Path(t.stage), Path(t.state)
-    name = f"{t.tag}-p{part:04d}.parquet"
+    name = f"{t.tag}-p{part:04d}"
     # One row per click id: a due copy first, then the earliest seen; a copy the verifier re-dispatched lends the
     # kept row its recovery time (the click's deadline runs from there, whichever copy is kept).
     rows = rows.append_column("_due", pc.less_equal(rows.column("due_us"), t.now))
@@ -523,7 +531,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
                 out = out.drop_columns(["reason"])
                 out = out.append_column("joined_at_us", pa.array(np.full(n, joined_at, np.int64)))
                 out = out.append_column("pipeline", pa.array([t.dc] * n, pa.string()))
-                atomic_write(out.select(JOINED_SCHEMA.names).cast(JOINED_SCHEMA), stage / JOINED / name)
+                stage_rows(t.tables_root, JOINED, stage, name, out, t.batch)
                 latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
             counts["joined"] = n
         # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay, which
@@ -551,11 +559,11 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     if unjoinable:
         table = pa.concat_tables(unjoinable)
         counts["unjoinable"] = table.num_rows
-        atomic_write(table, stage / UNJOINABLE / name)
+        stage_rows(t.tables_root, UNJOINABLE, stage, name, table, t.batch)
     retries = pa.concat_tables(retry)
     counts["retried"] = retries.num_rows
     if retries.num_rows:
-        atomic_write(retries.cast(CANDIDATE), state / "retries" / t.tag / name)
+        atomic_write(retries.cast(CANDIDATE), state / "retries" / t.tag / f"{name}.parquet")
     return counts, latencies
 
 

@@ -1,6 +1,6 @@
-"""The output contract of EVENTS.md as Arrow schemas: what the joiner writes and what readers (the auditor, data
-quality checks, downstream jobs) may rely on. Layout: ``<out>/<pipeline>/{joined,unjoinable,quarantine}/*.parquet``;
-files whose names start with ``_`` or ``.`` are in progress and never read."""
+"""The output contract of EVENTS.md as Arrow schemas: the rows the joiner writes and readers (the auditor, data
+quality checks, downstream jobs) may rely on. Each kind is a Delta table per pipeline, ``<out>/<pipeline>/<kind>``,
+whose schema adds ``batch`` and the partition column ``hour`` to these (``photon.logs.tables``)."""
 
 from __future__ import annotations
 

@@ -53,16 +53,16 @@ import psycopg2
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 from psycopg2 import sql
 
 from photon.durable import fsync_dir, make_dirs
 from photon.joiner.common import RECOVERED_PREFIX, batch_tag
 from photon.joiner.publish import publish_files
+from photon.logs import tables
 from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
-from photon.logs.schemas import JOINED, JOINED_SCHEMA
+from photon.logs.schemas import JOINED
 from photon.pg import across_failover, autocommit, connect, is_server_lost, sync_barrier
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
@@ -193,27 +193,35 @@ def _pipeline_folder(out: Path, pipeline: str) -> Path:
     return folder
 
 
-def _batch_files(folder: Path, pipeline: str, batch: int, b: _Batch, *, changed: bool = False) -> list[Path]:
-    """The files batch ``batch`` wrote to joined/ (named by its tag), checked to hold the rows the batch committed
-    (their footers only). ``changed``: the pass already fenced or rolled forward, so the error says what it did not
-    do rather than "nothing"."""
-    tag = batch_tag(batch, b.epoch)
-    files = sorted((folder / JOINED).glob(f"{tag}-*.parquet")) if (folder / JOINED).is_dir() else []
-    found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    if b.joined is None or found != b.joined:
+def _batch_files(folder: Path, pipeline: str, batch: int, b: _Batch, *, changed: bool = False) -> pa.Array:
+    """The click ids batch ``batch`` published to the pipeline's joined table (its rows carry the batch's number,
+    through any compaction), checked to be the rows the batch committed. ``changed``: the pass already fenced or
+    rolled forward, so the error says what it did not do rather than "nothing"."""
+    table = folder / JOINED
+    ids = pa.array([], pa.string())
+    if tables.published_batch(folder, JOINED) is not None:
+        where = ds.field(tables.BATCH) == batch
+        try:
+            rows = tables.OutputTable(pipeline, JOINED, table).dataset().to_table(columns=["click_id"], filter=where)
+        except (OSError, pa.ArrowException) as exc:  # a committed data file gone or damaged
+            raise EvidenceMissingError(
+                f"batch {batch} of pipeline {pipeline!r}: the table {table} cannot be read ({exc}); "
+                + ("no registry row was deleted or cleared" if changed else "nothing was changed")
+            ) from exc
+        ids = rows.column("click_id").combine_chunks()
+    if b.joined is None or len(ids) != b.joined:
         raise EvidenceMissingError(
-            f"batch {batch} of pipeline {pipeline!r} committed {b.joined} joined rows, but {folder / JOINED} holds "
-            f"{found} in files {tag}-*.parquet: its output is missing or altered; "
+            f"batch {batch} of pipeline {pipeline!r} committed {b.joined} joined rows, but the table {table} holds "
+            f"{len(ids)} rows of batch {batch}: its output is missing or altered; "
             + ("no registry row was deleted or cleared" if changed else "nothing was changed")
         )
-    return files
+    return ids
 
 
-def _keys(files: list[Path]) -> pa.Table:
-    """(ts_us, src) of the clicks in joined files."""
-    if not files:
+def _keys(ids: pa.Array) -> pa.Table:
+    """(ts_us, src) of the clicks ``ids``."""
+    if not len(ids):
         return pa.table({"ts_us": pa.array([], pa.int64()), "src": pa.array([], pa.int64())})
-    ids = ds.dataset(files, format="parquet", schema=JOINED_SCHEMA).to_table(columns=["click_id"])["click_id"]
     keys = EventKeys.from_ids(ids)
     return pa.table({"ts_us": keys.ts_us, "src": keys.src})
 
@@ -282,7 +290,7 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
         for name, batch in to_roll:
             rolled = state.batches[(name, batch)]
             if not dry_run:
-                publish_files(folders[name], batch_tag(batch, rolled.epoch))
+                publish_files(folders[name], name, batch, rolled.epoch)
                 _batch_files(folders[name], name, batch, rolled, changed=True)  # all of it is in place now
                 lcur.execute(
                     "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
@@ -374,13 +382,15 @@ def _pass_lock(dsn: str) -> Iterator[Any]:
 
 
 def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
-    """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already moved (by a
-    joiner that died while publishing), must be the rows it committed."""
-    tag = batch_tag(batch, b.epoch)
-    files = list((folder / "_staging" / tag / JOINED).glob("*.parquet")) + list(
-        (folder / JOINED).glob(f"{tag}-*.parquet")
-    )
-    found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already in the table
+    (a joiner that died while publishing), must be the rows it committed."""
+    stage = folder / "_staging" / batch_tag(batch, b.epoch)
+    have = tables.published_batch(folder, JOINED)
+    if have is not None and have >= batch:
+        where = ds.field(tables.BATCH) == batch
+        found = tables.OutputTable(name, JOINED, folder / JOINED).dataset().count_rows(filter=where)
+    else:
+        found = tables.staged_rows(stage, JOINED)
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "

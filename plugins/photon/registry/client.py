@@ -51,6 +51,7 @@ from photon.pg import (
     is_connection_error,
     is_server_lost,
     is_transient,
+    redact,
     sync_barrier,
 )
 from photon.pg import failover_s as default_failover_s
@@ -649,22 +650,23 @@ class IdRegistry:
 NOT_INITIALISED = "the registry is not initialised: run `photon registry init`"
 
 
-def _require_schema(cur: Any) -> None:
+def _require_schema(cur: Any, dsn: str) -> None:
     cur.execute("SELECT to_regclass('photon.shard_config') IS NOT NULL")
     if not cur.fetchone()[0]:
-        raise RegistryError(NOT_INITIALISED)
+        # Named: a command run from another folder starts (and finds empty) an embedded server of its own.
+        raise RegistryError(f"{NOT_INITIALISED} (registry: {redact(dsn)})")
 
 
 def require_initialised(main_dsn: str) -> None:
     """One clear ``RegistryError`` when ``photon registry init`` never ran on the main server, before a command's
     first query fails on a missing schema with a traceback. Reads only."""
     with autocommit(main_dsn) as conn, conn.cursor() as cur:
-        _require_schema(cur)
+        _require_schema(cur, main_dsn)
 
 
 def read_layout(main_dsn: str) -> tuple[ShardLayout, int]:
     with autocommit(main_dsn) as conn, conn.cursor() as cur:
-        _require_schema(cur)
+        _require_schema(cur, main_dsn)
         cur.execute("SELECT version, valid_from_us, num_shards, state FROM photon.shard_config ORDER BY version")
         configs = [ShardConfig(int(v), int(f), int(n), str(s)) for v, f, n, s in cur.fetchall()]
         cur.execute("SELECT config_version, shard_no, server FROM photon.shard_map")

@@ -10,7 +10,15 @@ measured by that server's own clock. The steps, each safe to crash after and to 
    ``valid_from = main's clock + lead`` and the deadline are stored with it. Every server records the plan and its
    shard map; the hosting servers create its shard tables. Routing ignores a planned configuration.
 2. Acknowledge: joiners report the newest configuration they know with every batch commit
-   (``photon.pipelines.config_version``); the reshard waits until every live pipeline reports ``v``.
+   (``photon.pipelines.config_version``), and an idle joiner (no batch to commit) between two batches, from its loop
+   thread, fenced by its lease's epoch and last batch (``PipelineState.acknowledge``), once its heartbeat found a newer
+   configuration (within a heartbeat period: well inside ``lead - skew``): a quiet data center never holds up a
+   reshard. The reshard waits until every live pipeline reports ``v``. An acknowledgement is safe whenever it is
+   taken because no id is routed by the acknowledgement: a client routes by the active configurations it loaded, and
+   once a server enforces ``v`` (3a, 3b) it refuses a client on an older layout before anything is written (it
+   reloads and routes by ``v``); a batch that routed by the old layout and registered before that did so before the
+   deadline, when no id stamped at or after ``valid_from`` can exist yet. So a joiner that acknowledged ``v``, idle
+   or not, registers nothing by the old layout once ``v`` is active.
 3. Activate, holding main's plan row locked (``FOR UPDATE``: activation, resume and abort of ``v`` are serialised):
    a. main: ``photon.enforce_layout(v, activate)`` locks main's ``layout_enforced`` table (in-flight register
       transactions finish, new ones queue in order), checks main's clock against the deadline, raises the enforced

@@ -1,20 +1,32 @@
 """`photon audit`: an independent check of every pipeline's output against the input.
 
-It trusts nothing the joiner decided and shares none of its code: it reads files and counts. The ground truth is
-the generator's manifest (what every click must become) or, without one, the input logs themselves (read with
-Spark, with the auditor's own reading of the EVENTS.md rules). Everything runs column-wise in Arrow (hash joins,
-group-bys, set membership), so tens of millions of clicks never become Python objects.
+It trusts nothing the joiner decided and shares none of its code: it reads files and counts. It reads the output
+through each table's Delta log (``photon.logs.tables``): the rows of committed batches, never a data file no commit
+names (a crashed batch's). The ground truth is the generator's manifest (what every click must become) or, without
+one, the input logs themselves (read with Spark, with the auditor's own reading of the EVENTS.md rules). Everything
+runs column-wise in Arrow (hash joins, group-bys, set membership), so tens of millions of clicks never become Python
+objects.
 
-Failures (exit status 1): a click id in ``joined/`` more than once across all pipelines; a lost click (one that
-must join and did not, or any click with no outcome at all); an unexpected row (output for a click that was never
-input); a click joined to a query other than its own; a malformed line missing from (or a valid line found in)
+Failures (exit status 1): a click id in the ``joined`` tables more than once across all pipelines; a lost click (one
+that must join and did not, or any click with no outcome at all); an unexpected row (output for a click that was
+never input); a click joined to a query other than its own; a malformed line missing from (or a valid line found in)
 quarantine. Reported but not failures: clicks joined although the manifest said the query came too late, clicks
-joined by one pipeline and given up by another.
+joined by one pipeline and given up by another (their ``unjoinable/`` records are counted apart: a click's outcome
+is joined if any pipeline joined it).
+
+A data center of the input with no pipeline output (its pipeline not run yet) may still join clicks the others
+could not: a click whose query reached its replica in time and the others' late. Among the lost clicks the audit
+names those (from the manifest's arrival times and the query files themselves). They stay lost, and the audit fails,
+unless the caller says which data centers ran (``ran``, ``photon audit --dcs``): then they are pending in the data
+centers that did not, not lost. Billing cannot bill a click that is in no output, so without that word the audit
+cannot call the output whole.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +37,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from photon.logs import tables
 from photon.logs.layout import data_center_of
-from photon.logs.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA, UNJOINABLE, UNJOINABLE_SCHEMA
+from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 
 if TYPE_CHECKING:
     from rich.console import Console  # print_audit's caller brings its console
@@ -40,7 +53,7 @@ class AuditReport:
     pipelines: list[str]
     input_clicks: int = 0
     joined_rows: int = 0
-    duplicate_clicks: int = 0  # click ids in joined/ more than once
+    duplicate_clicks: int = 0  # click ids in the joined tables more than once
     duplicate_extra_rows: int = 0  # rows beyond the first for those ids
     lost: int = 0
     lost_by_expectation: dict[str, int] = field(default_factory=dict)
@@ -52,6 +65,17 @@ class AuditReport:
     unjoinable_records: int = 0  # rows in every unjoinable/ folder: a click given up by two pipelines has two
     joined_although_unjoinable: int = 0
     joined_and_unjoinable: int = 0
+    # unjoinable/ records of clicks some pipeline joined (dc-a gave up, dc-b's replica had the query in time): the
+    # click's outcome is joined; the record only says that pipeline could not join it.
+    unjoinable_records_joined_elsewhere: int = 0
+    # The input's data centers, those with pipeline output (or named as run), and whether the caller named them.
+    data_centers: list[str] = field(default_factory=list)
+    data_centers_run: list[str] = field(default_factory=list)
+    run_declared: bool = False
+    # Lost clicks (must join) that a data center without output could still join, per such data center (a click
+    # may count under several), and each once. With ``run_declared`` they are not in ``lost``: they are pending.
+    joinable_by: dict[str, int] = field(default_factory=dict)
+    still_joinable: int = 0
     quarantine: dict[str, Any] = field(default_factory=dict)
     shares: dict[str, dict[str, float]] = field(default_factory=dict)
     latency_s: dict[str, float] = field(default_factory=dict)
@@ -62,7 +86,7 @@ class AuditReport:
         if self.duplicate_clicks:
             out.append(f"{self.duplicate_clicks} click id(s) joined more than once")
         if self.lost:
-            out.append(f"{self.lost} lost click(s)")
+            out.append(f"{self.lost} lost click(s)" + ("" if self.run_declared else self.joinable_text()))
         if self.unexpected:
             out.append(f"{self.unexpected} unexpected click id(s) in the output")
         if self.wrong_query:
@@ -72,6 +96,17 @@ class AuditReport:
         if self.quarantine.get("extra"):
             out.append(f"{self.quarantine['extra']} quarantine record(s) more than malformed lines")
         return out
+
+    def joinable_text(self) -> str:
+        """': 430 could still be joined by dc-b (its replica had the query in time; no dc-b pipeline output yet)'."""
+        if not self.still_joinable:
+            return ""
+        dcs = sorted(self.joinable_by)
+        names = " or ".join(dcs)
+        return (
+            f": {self.still_joinable} could still be joined by {names} (its replica had the query in time; no "
+            f"{names} pipeline output yet)"
+        )
 
     @property
     def ok(self) -> bool:
@@ -89,19 +124,19 @@ def pipelines_in(out: Path) -> list[str]:
 
 def read_output(out: Path, kind: str, columns: list[str], where: ds.Expression | None = None) -> pa.Table:
     """One output kind of every pipeline (rows matching ``where``), with a ``folder`` column naming the pipeline
-    folder it came from. In-progress files (``_*``, ``.*``) are skipped by the dataset reader."""
-    schema = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}[kind]
-    tables = []
-    for name in pipelines_in(out):
+    folder it came from: the rows of each table's current snapshot (committed batches only). A folder that is not a
+    table but holds Parquet files (an older version's layout) is refused: read as empty, its clicks would be lost."""
+    from deltalake import DeltaTable
+
+    names = pipelines_in(out)
+    for name in names:
         folder = out / name / kind
-        if not folder.is_dir():
-            continue
-        t = ds.dataset(folder, format="parquet", schema=schema).to_table(columns=columns, filter=where)
-        tables.append(t.append_column("folder", pa.array([name] * t.num_rows, pa.string())))
-    if not tables:
-        empty = pa.schema([schema.field(c) for c in columns] + [pa.field("folder", pa.string())])
-        return empty.empty_table()
-    return pa.concat_tables(tables)
+        if folder.is_dir() and not DeltaTable.is_deltatable(str(folder)) and any(folder.glob("*.parquet")):
+            raise tables.OutputTableError(
+                f"{folder} holds Parquet files but is not a Delta table (an output folder of an older version of "
+                "this project?): the audit reads the output tables only"
+            )
+    return tables.read(out, kind, columns, where, only=names, with_pipeline_folder=True)
 
 
 def _sample(arr: pa.Array | pa.ChunkedArray) -> list[str]:
@@ -119,11 +154,27 @@ def _unique(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
     return pc.unique(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr)
 
 
-def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, spark: Any = None) -> AuditReport:
-    """Audit ``out`` against a manifest folder, or against the input logs under ``logs`` (needs Spark)."""
+def audit(
+    out: Path,
+    *,
+    manifest: Path | None = None,
+    logs: Path | None = None,
+    spark: Any = None,
+    ran: Sequence[str] | None = None,
+) -> AuditReport:
+    """Audit ``out`` against a manifest folder, or against the input logs under ``logs`` (needs Spark). ``ran``: the
+    data centers whose pipelines ran, all of them (default: those with a pipeline folder under ``out``); a lost click
+    only another data center could still join is then pending there, not lost."""
     pipelines = pipelines_in(out)
+    with_output = sorted({data_center_of(out, p) for p in pipelines})
+    if ran is not None:
+        extra = sorted(set(with_output) - set(ran))
+        if extra:
+            raise ValueError(
+                f"--dcs {','.join(ran)}: {out} also holds output of {', '.join(extra)}: name every data center that ran"
+            )
     if manifest is not None:
-        clicks = pq.read_table(manifest / "clicks.parquet", columns=["click_id", "query_id", "expect"])
+        clicks = pq.read_table(manifest / "clicks.parquet", columns=["click_id", "query_id", "expect", "click_ts_us"])
         files = pq.read_table(manifest / "files.parquet", columns=["dc", "kind", "name", "malformed"])
         source = "manifest"
     elif logs is not None:
@@ -132,12 +183,15 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     else:
         raise ValueError("audit needs a manifest or the input logs")
     report = AuditReport(source, pipelines, input_clicks=clicks.num_rows)
+    report.data_centers = sorted(set(files["dc"].to_pylist()) | set(with_output))
+    report.data_centers_run = sorted(ran) if ran is not None else with_output
+    report.run_declared = ran is not None
     joined = read_output(out, JOINED, ["click_id", "query_id", "click_ts_us", "joined_at_us"])
     unjoinable = read_output(out, UNJOINABLE, ["click_id", "reason"])
     quarantined = read_output(out, QUARANTINE, ["kind", "file", "line"])
     report.joined_rows = joined.num_rows
 
-    # Duplicates across every joined/ folder.
+    # Duplicates across every joined table.
     counts = joined.group_by("click_id").aggregate([("click_id", "count")])
     dup = counts.filter(pc.greater(counts["click_id_count"], 1))
     report.duplicate_clicks = dup.num_rows
@@ -170,6 +224,24 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     expect = clicks["expect"].to_numpy().astype(str)
     must_join = expect == "join"
     lost = (must_join & ~in_joined) | (~must_join & ~in_joined & ~in_unjoinable)
+    not_run = [dc for dc in report.data_centers if dc not in report.data_centers_run]
+    if manifest is not None and not_run and (lost & must_join).any():
+        candidates = np.flatnonzero(lost & must_join)
+        in_time = _in_time_by_replica(manifest, clicks.take(pa.array(candidates)), report.data_centers)
+        # Only a click no data center that ran could join (its replica had the query late): one that ran had it in
+        # time and lost it, which is that pipeline's loss whoever else might still join it (EVENTS.md).
+        none_ran = np.ones(len(candidates), dtype=bool)
+        for dc in report.data_centers_run:
+            none_ran &= ~in_time.get(dc, np.zeros(len(candidates), dtype=bool))
+        joinable = {dc: in_time[dc] & none_ran for dc in not_run}
+        report.joinable_by = {dc: int(v.sum()) for dc, v in joinable.items() if v.any()}
+        pending = np.zeros(len(candidates), dtype=bool)
+        for v in joinable.values():
+            pending |= v
+        report.still_joinable = int(pending.sum())
+        report.samples["still_joinable"] = _sample(input_ids.take(pa.array(candidates[pending])))
+        if report.run_declared:  # pending in the data centers that did not run, not lost
+            lost[candidates[pending]] = False
     report.lost = int(lost.sum())
     report.lost_by_expectation = {
         str(k): int(v) for k, v in zip(*np.unique(expect[lost], return_counts=True), strict=True)
@@ -183,6 +255,9 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     report.joined_although_unjoinable = int((in_joined & (expect == "unjoinable")).sum())
     report.joined_and_unjoinable = int((in_joined & in_unjoinable).sum())
     report.unjoinable_records = unjoinable.num_rows
+    report.unjoinable_records_joined_elsewhere = int(
+        pc.sum(pc.is_in(unjoinable["click_id"], value_set=joined_ids)).as_py() or 0
+    )
     # Each input click given up and joined nowhere, once, under one reason (the least by text, when its pipelines
     # gave different ones): the table then counts the clicks the outcome counts, not every pipeline's record of them.
     given_up = unjoinable.filter(
@@ -198,6 +273,104 @@ def audit(out: Path, *, manifest: Path | None = None, logs: Path | None = None, 
     report.shares = _shares(joined, pipelines)
     report.latency_s = _latency(joined)
     return report
+
+
+def _manifest_settings(manifest: Path) -> dict[str, float]:
+    """The generator settings the arrival rule needs. Runs with different settings: the widest clock skew and
+    rotation (to find a query's file), the shortest join delay and the widest margin (to call a replica in time
+    only when it surely was)."""
+    top = json.loads((manifest / "manifest.json").read_text())
+    runs = [top["settings"]] if "settings" in top else []
+    runs += [json.loads(p.read_text())["settings"] for p in sorted((manifest / "runs").glob("*.json"))]
+    defaults = {"max_clock_skew_s": 10.0, "rotate_s": 1.0, "max_join_delay_s": 120.0, "boundary_margin_s": 5.0}
+    if not runs:
+        return defaults
+
+    def values(key: str) -> list[float]:
+        return [float(r.get(key, defaults[key])) for r in runs]
+
+    return {
+        "max_clock_skew_s": max(values("max_clock_skew_s")),
+        "rotate_s": max(values("rotate_s")),
+        "max_join_delay_s": min(values("max_join_delay_s")),
+        "boundary_margin_s": max(values("boundary_margin_s")),
+    }
+
+
+def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str]) -> dict[str, np.ndarray]:
+    """For each data center in ``dcs``: which of ``clicks`` its replica had the query of in time, its file having
+    arrived there at least the boundary margin before the click's deadline (the manifest's rule for ``join``, per
+    replica).
+
+    The manifest keeps each click's first arrival over all replicas, not each replica's: the query's file is found
+    by reading the query files themselves. A file holds one process's events (EVENTS.md, "File names"), and it
+    closes within a rotation of its events' true time, which is within the clock skew of their stamp: the files of
+    the query id's process closing in that window, or a rotation later (a duplicated line may be in the next file),
+    are read (from any replica: they hold the same files), and a replica had the query at the earliest arrival
+    there of any file holding it (``files.parquet``)."""
+    st = _manifest_settings(manifest)
+    logs = manifest.parent
+    us = 1_000_000
+    files = pq.read_table(manifest / "files.parquet", columns=["dc", "kind", "name", "close_us", "arrival_us"])
+    files = files.filter(pc.equal(files["kind"], "queries")).to_pylist()
+    # basename -> {dc: (name under the kind's folder, arrival)}; process -> [(close_us, basename)]
+    where: dict[str, dict[str, tuple[str, int]]] = {}
+    by_process: dict[str, list[tuple[int, str]]] = {}
+    for f in files:
+        base = f["name"].rsplit("/", 1)[-1]
+        if base not in where:
+            by_process.setdefault(base.rsplit("-", 1)[0], []).append((int(f["close_us"]), base))
+        where.setdefault(base, {})[f["dc"]] = (f["name"], int(f["arrival_us"]))
+    for entries in by_process.values():
+        entries.sort()
+    skew, rot = int(st["max_clock_skew_s"] * us), int(st["rotate_s"] * us)
+    query_ids = clicks["query_id"].to_pylist()
+    wanted: dict[str, list[str]] = {}  # candidate file -> the query ids it may hold
+    for qid in set(query_ids):
+        process, _, stamp = qid.rpartition("-")
+        ts = int(stamp)
+        for close, base in by_process.get(process, []):
+            # + a rotation: a duplicated line may be sent again in the process's next file (the generator's rule)
+            if ts - skew < close <= ts + skew + 2 * rot:
+                wanted.setdefault(base, []).append(qid)
+    # Every file holding the query: a replica had it in time if any of them reached it in time.
+    files_of: dict[str, list[str]] = {}
+    for base, qids in wanted.items():
+        for dc, (name, _) in where[base].items():
+            path = logs / dc / "queries" / name
+            if path.is_file():
+                for q in _query_ids_in(path, set(qids)):
+                    files_of.setdefault(q, []).append(base)
+                break
+    deadline = clicks["click_ts_us"].to_numpy() + int((st["max_join_delay_s"] - st["boundary_margin_s"]) * us)
+    out = {}
+    for dc in dcs:
+        never = np.iinfo(np.int64).max
+        arrival = np.array(
+            [min((where[b].get(dc, ("", never))[1] for b in files_of.get(q, [])), default=never) for q in query_ids],
+            dtype=np.int64,
+        )
+        out[dc] = arrival <= deadline
+    return out
+
+
+def _query_ids_in(path: Path, ids: set[str]) -> set[str]:
+    """Which of ``ids`` have a well-formed line (a JSON object with that ``query_id``) in the query file."""
+    found = set()
+    for line in path.read_bytes().split(b"\n"):
+        m = _QUERY_ID.search(line)
+        if m is None or m.group(1).decode("utf-8", "replace") not in ids:
+            continue  # a quick look first: only a line naming a wanted id is parsed
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("query_id") in ids:
+            found.add(obj["query_id"])
+    return found
+
+
+_QUERY_ID = re.compile(rb'"query_id"\s*:\s*"([^"]*)"')
 
 
 def _quarantine(files: pa.Table, quarantined: pa.Table, dc_of: dict[str, str]) -> dict[str, Any]:
@@ -352,6 +525,20 @@ def print_audit(report: AuditReport, console: Console) -> None:
         f"{report.duplicate_clicks}; lost {report.lost:,}{_by_expectation(report.lost_by_expectation)}; unexpected "
         f"{report.unexpected}; joined to another query {report.wrong_query}"
     )
+    if report.still_joinable:
+        names = " or ".join(sorted(report.joinable_by))
+        by = ", ".join(f"{dc} {n:,}" for dc, n in sorted(report.joinable_by.items()))
+        if report.run_declared:
+            console.print(
+                f"  pending: {report.still_joinable:,} clicks only {names} could join ({by}: its replica had the query"
+                f" in time; not run): not lost, not in any output yet"
+            )
+        else:
+            ran = ",".join(report.data_centers_run) or "..."
+            console.print(
+                f"  of the lost, {report.still_joinable:,} could still be joined by {names} ({by}: its replica had the"
+                f" query in time; no {names} pipeline output yet); `--dcs {ran}` if only those ran: then pending"
+            )
     o = report.outcomes
     unjoinable = o.get("unjoinable", 0)
     console.print(
@@ -362,9 +549,10 @@ def print_audit(report: AuditReport, console: Console) -> None:
         by_reason = sorted(report.unjoinable_by_reason.items(), key=lambda x: -x[1])
         reasons = "; ".join(f"{n:,} {escape(why)}" for why, n in by_reason) or "none (all joined elsewhere)"
         console.print(f"  the {unjoinable:,} unjoinable clicks by reason: {reasons}")
+        elsewhere = report.unjoinable_records_joined_elsewhere
         console.print(
             f"  ({report.unjoinable_records:,} records in the unjoinable/ folders: a click given up by two pipelines"
-            " has one in each)"
+            f" has one in each; {elsewhere:,} of them of clicks another pipeline joined: their outcome is joined)"
         )
     q = report.quarantine
     console.print(

@@ -86,6 +86,11 @@ class FinalitySettings:
     # A data center none of whose pipelines has heartbeated for this long is lost (the verifier's grace, 600 s by
     # default, after which it fences such a pipeline and recovers its registrations).
     lost_after_s: float = 600.0
+    # Expected input (as data quality's min_click_files): an interval with fewer click files than this, every
+    # replica's copy counted, is not final (log shipping stopped, or the wrong logs folder), unless ``allow_empty``
+    # accepts it; the marker then says so (``empty_accepted``).
+    min_click_files: int = 1
+    allow_empty: bool = False
 
     @property
     def seal_s(self) -> float:
@@ -118,6 +123,7 @@ class Finality:
     unconsumed_in_lost: int = 0  # files only lost data centers hold, consumed by no pipeline: not waited for
     in_flight: int | None = None  # clicks registered by batches not published
     redispatched_waiting: int | None = None  # clicks the verifier re-dispatched that no pipeline has taken yet
+    empty_accepted: bool = False  # fewer click files than expected, declared all the same (allow_empty)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -203,6 +209,15 @@ def decide_final(
         # 4. Consumption, and 5. lost data centers.
         files = interval_click_files(logs, start_us, end_us)
         d.click_files = len(files)
+        if len(files) < s.min_click_files:
+            if s.allow_empty:
+                d.empty_accepted = True
+            else:
+                d.reasons.append(
+                    f"{len(files)} click file(s) in any replica under {logs}, where at least {s.min_click_files} are"
+                    " expected: log shipping stopped, or the wrong logs folder (--allow-empty, photon_finality's"
+                    " allow_empty, declares an interval without input final)"
+                )
         by_dc: dict[str, list[str]] = {}
         for f in files:
             dc, _, rel = f.relative_to(logs).as_posix().partition("/clicks/")
@@ -504,6 +519,54 @@ def _judge_redispatched(
         )
 
 
+# -- a backfill's window ------------------------------------------------------------------------------------------
+
+
+class EmptyWindowError(ValueError):
+    """A backfill's window has no logs in its data center's replica, or ends before the registry's horizon: it would
+    "succeed" joining nothing. One line (the CLI's operator errors are ValueErrors)."""
+
+
+def check_backfill_window(
+    servers: Mapping[str, str],
+    logs: Path,
+    dc: str,
+    start_us: int,
+    end_us: int,
+    *,
+    allow_empty: bool = False,
+    max_clock_skew_s: float = MAX_CLOCK_SKEW_S,
+) -> str | None:
+    """Before a backfill of ``[start_us, end_us)`` from ``<logs>/<dc>`` starts: the window's click files in that
+    replica (as data quality reads an interval's input: the arrival partitions that start in it, and flat files by
+    their first event) and the registry's horizon (``joiner.query_index.registry_horizon_us``: ids older are
+    forgotten, and their queries are pruned from every EventStore, so nothing of such a window can be joined). Raises
+    ``EmptyWindowError`` naming the window and the horizon when the replica holds no click file of it or the window
+    ends at or before the horizon, unless ``allow_empty``; then returns the same words (the caller logs them), else
+    None. Reads what the joiner's login may read."""
+    from photon.joiner.query_index import registry_horizon_us
+
+    horizon, _ = registry_horizon_us(servers, max_clock_skew_s=max_clock_skew_s)
+    files = interval_click_files(logs, start_us, end_us, dcs=[dc])
+    problems = []
+    if not files:
+        problems.append(f"no click file in {logs / dc / 'clicks'} for the window")
+    if end_us <= horizon:
+        problems.append(
+            "the window ends before the registry's horizon (ids older than it are forgotten: nothing of it can be"
+            " joined exactly once)"
+        )
+    if not problems:
+        return None
+    what = (
+        f"backfill of {dc} [{iso(start_us)}, {iso(end_us)}): {'; and '.join(problems)}; the registry's horizon is"
+        f" {iso(horizon)}"
+    )
+    if not allow_empty:
+        raise EmptyWindowError(f"{what}. --allow-empty (photon_backfill's allow_empty) runs it all the same")
+    return f"{what}: run all the same (allow_empty)"
+
+
 # -- the marker -----------------------------------------------------------------------------------------------------
 
 
@@ -555,9 +618,10 @@ def summary(d: Finality | Mapping[str, Any]) -> str:
     window = f"[{x['start']}, {x['end']})"
     if x["final"]:
         lost = f"; lost data centers {', '.join(x['lost_data_centers'])}" if x["lost_data_centers"] else ""
+        empty = "; accepted without input (allow_empty)" if x.get("empty_accepted") else ""
         return (
             f"{window} is final (decided at {x['decided_at']}): {x['click_files']:,} click files,"
-            f" {x['input_clicks']:,} clicks{lost}"
+            f" {x['input_clicks']:,} clicks{lost}{empty}"
         )
     return f"{window} is not final: {x['reasons'][0]}" + (
         f" (and {len(x['reasons']) - 1} more)" if len(x["reasons"]) > 1 else ""

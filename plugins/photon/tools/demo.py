@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from photon.logs.ids import EventKeys
+from photon.pg import autocommit, create_database, drop_database, redact, with_dbname
 from photon.registry.admin import init_registry
-from photon.registry.client import IdRegistry, Outcome, servers_from_settings
+from photon.registry.client import IdRegistry, Outcome, RegistryError, servers_from_settings
 from photon.registry.owners import create_owner, end_owner
 from photon.tools.status import when
 
@@ -29,11 +31,19 @@ def _demo_keys(num_ids: int, seed: int, now: int) -> EventKeys:
 
 
 def _writer(
-    pipeline: str, seed: int, now: int, num_ids: int, batch: int, order_seed: int, start: Any, out: Any
+    servers: dict[str, str],
+    pipeline: str,
+    seed: int,
+    now: int,
+    num_ids: int,
+    batch: int,
+    order_seed: int,
+    start: Any,
+    out: Any,
 ) -> None:
     keys = _demo_keys(num_ids, seed, now)
     order = np.random.default_rng(order_seed).permutation(num_ids)  # each writer meets the ids in its own order
-    with IdRegistry.from_settings() as reg:
+    with IdRegistry(servers) as reg:
         owner = create_owner(reg.main_dsn, pipeline, {"demo": True})
         won = np.zeros(num_ids, dtype=bool)
         counts = {o.name.lower(): 0 for o in Outcome}
@@ -52,15 +62,43 @@ def _writer(
     out.put((pipeline, owner.owner_id, np.flatnonzero(won), counts, retries, seconds))
 
 
+def _scratch_database(main: str) -> tuple[str, str]:
+    """A database of the race's own on the registry's main server: ``(its name, its DSN)``. Its synthetic ids and
+    owners never reach the registry's own database (``photon verify`` would count them in flight), production's
+    included. The named database is only the door in: nothing is written there. A login that may not create
+    databases is refused in one line."""
+    with autocommit(main, guard=False) as conn, conn.cursor() as cur:
+        cur.execute("SELECT current_user, rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user")
+        user, may = cur.fetchone()
+    if not may:
+        raise RegistryError(
+            f"photon demo --registry-race races in a database of its own, created and dropped on the registry's "
+            f"server ({redact(main)}), and login {user} may not create databases (CREATEDB): run it as a login that "
+            "may, or without PHOTON_REGISTRY_DSN (the embedded PostgreSQL); it never writes into the named database"
+        )
+    name = f"photon_race_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
+    return name, create_database(main, name)
+
+
 def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
-    servers = servers_from_settings()
+    """Two writers racing over the same ids, in a registry database of the race's own, dropped at the end."""
+    main = servers_from_settings()["main"]
+    name, dsn = _scratch_database(main)
+    console.print(f"registry race in a database of its own, {name} (dropped at the end)")
+    try:
+        return _race({"main": dsn}, num_ids=num_ids, batch=batch, console=console)
+    finally:
+        drop_database(main, name)
+
+
+def _race(servers: dict[str, str], *, num_ids: int, batch: int, console: Console) -> bool:
     init_registry(servers)
     seed = random.SystemRandom().randrange(1 << 30)
     now = int(time.time() * 1e6)
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_writer, args=(dc, seed, now, num_ids, batch, i + 1, start, out))
+        ctx.Process(target=_writer, args=(servers, dc, seed, now, num_ids, batch, i + 1, start, out))
         for i, dc in enumerate(("dc-a", "dc-b"))
     ]
     for p in procs:
@@ -103,21 +141,20 @@ def run_registry_race(*, num_ids: int, batch: int, console: Console) -> bool:
         f"ids won by both: {both}; by neither: {neither}; answers agreeing with the registry: "
         f"{int(agree.sum()):,}/{num_ids:,}  ->  {'OK' if ok else 'FAILED'}"
     )
-    console.print(f"(pid {os.getpid()}; registry status: `photon registry status`)")
     return ok
 
 
 def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, console: Console) -> bool:
     """Both data centers end to end: live logs with late queries, duplicates, malformed lines and an outage of
-    dc-b's replica; both joiners at once, a reshard from 4 to 8 shards while they run; then the independent audit,
-    a registry GC, and the report's charts."""
+    dc-b's replica; both joiners at once, a reshard from 4 to 8 shards while they run; then the independent audit
+    (it reads the output tables), each pipeline's tables against its committed batches (``check_tables``), a
+    registry GC, and the report's charts."""
     import shutil
     import threading
 
     from photon.joiner.common import JoinSettings
     from photon.joiner.lease import Joiner
     from photon.logs.schemas import MANIFEST_DIR
-    from photon.pg import create_database, with_dbname
     from photon.registry.admin import record_shard_sizes
     from photon.registry.gc import collect_garbage
     from photon.registry.reshard import reshard
@@ -203,15 +240,54 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
         raise errors[0]
     report = audit(out, manifest=logs / MANIFEST_DIR)
     print_audit(report, console)
+    tables_ok = check_tables(servers["main"], out, console)
     # Once everything is decided: a GC run that keeps one minute (the shard-size chart shows what it frees).
     record_shard_sizes(servers, "sample")
     freed = collect_garbage(servers, retention_s=60, max_clock_skew_s=10)
     console.print(f"registry GC keeping 60 s: {freed.rows_freed:,} rows freed")
     charts = render_report(servers["main"], run / "report")
     console.print(f"charts: {', '.join(str(c) for c in charts.written)}")
-    if report.ok:
+    if report.ok and tables_ok:
         shutil.rmtree(logs, ignore_errors=True)  # the logs are only needed to look into a failure
         console.print(f"output kept in {out}")
     else:
         console.print(f"logs and output kept: `photon audit --out {out} --logs {logs}` audits them again")
-    return report.ok
+    return report.ok and tables_ok
+
+
+def check_tables(main_dsn: str, out: Path, console: Console) -> bool:
+    """Each pipeline's output tables against the batches the registry committed for it, once every lease has
+    drained: per table, the rows its snapshot names (the Delta log's file statistics, no data read) are the sum of
+    the committed batches' counts of that kind, and its last published batch (its txn version) is the last batch
+    that had rows of that kind. A committed batch missing from a table, or one published twice, shows here."""
+    from photon.logs import tables
+    from photon.logs.schemas import OUTPUT_KINDS
+    from photon.tools.maintenance import table_facts
+
+    metric = {"joined": "joined", "unjoinable": "unjoinable", "quarantine": "quarantined"}
+    ok = True
+    with autocommit(main_dsn, guard=False) as conn, conn.cursor() as cur:
+        for pipeline in tables.pipelines(out):
+            parts = []
+            for kind in OUTPUT_KINDS:
+                col = metric[kind]
+                cur.execute(
+                    f"SELECT coalesce(sum({col}), 0), max(batch_seq) FILTER (WHERE {col} > 0)"
+                    " FROM photon.batch_metrics WHERE pipeline = %s",
+                    (pipeline,),
+                )
+                rows, last = (None if v is None else int(v) for v in cur.fetchone())
+                found = list(tables.tables(out, kind, [pipeline]))
+                facts = table_facts(found[0]) if found else None
+                have = (0, None) if facts is None else (facts.rows, facts.published_batch)
+                text = f"{kind} {have[0]:,} rows" + ("" if facts is None else f" in {facts.files:,} files")
+                text += f", batch {have[1] if have[1] is not None else '-'}"
+                if have != (rows, last):
+                    ok = False
+                    text += f" [red](the registry's batches: {rows:,} rows, last batch {last})[/]"
+                parts.append(text)
+            console.print(f"  {pipeline} tables: " + "; ".join(parts))
+    console.print(
+        f"output tables against the registry's committed batches  ->  {'OK' if ok else '[bold red]FAILED[/]'}"
+    )
+    return ok

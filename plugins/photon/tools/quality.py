@@ -5,7 +5,10 @@ Two batches are validated per interval ``[start, end)``:
   across pipelines, required fields present, the click after its query (within the maximum clock skew), and the
   live pipelines' end-to-end latency within the SLO for most clicks.
 - ``rates``: one row. Unjoinable clicks per decided click of the interval; quarantined lines of the interval's input
-  per decided click.
+  per decided click; the interval's click files (expected input: at least ``min_click_files``, unless
+  ``allow_empty``). A rate is judged only over ``min_rate_denominator`` decided clicks (lines, for quarantine): over
+  fewer it is null (GX leaves nulls out) and reported in the result.
+- ``completeness``: one row per input click (``completeness_frame``).
 
 Each check means the same on a live hour and on one backfilled a week later:
 
@@ -13,9 +16,10 @@ Each check means the same on a live hour and on one backfilled a week later:
   output records no arrival time, and none would help: a backfill joins, on purpose, files that arrived hours or days
   before it ran, so any latency of its rows measures the age of the history it was asked to join. Rows of backfill
   pipelines (``backfill-...``, as ``photon_backfill`` names them) therefore get no latency (null, which GX leaves out
-  of ``mostly``) and are judged by every other expectation; rows of every other pipeline are held to the SLO. A live
-  pipeline that fell behind (its replica stalled, its joiner was down) fails the hours it joined late, as it should:
-  that output reached its readers late.
+  of ``mostly``) and are judged by every other expectation. So do a live pipeline's rows of history (``_history``):
+  clicks whose file arrived more than the SLO before that pipeline's first output (a pipeline started at the beginning
+  of the logs joins days of them). Every other row is held to the SLO. A live pipeline that fell behind (its replica
+  stalled, its joiner was down) fails the hours it joined late, as it should: that output reached its readers late.
 - **Quarantine by the interval's input.** A quarantine record names its log file and line, not a time, and neither
   its decision time (when some pipeline read the line: a backfill reads history today) nor the line's own timestamp
   (the line is malformed) says which hour it belongs to. So a quarantined line belongs to the interval of its log
@@ -24,12 +28,15 @@ Each check means the same on a live hour and on one backfilled a week later:
   from its ``_pipeline.json``). A line counts once however many pipelines and replicas quarantined it; the verifier's
   ``recovered-*`` files are copies and never count. Only records decided after the interval began (less twice the
   clock skew) can belong to it, so the check reads the first bytes of a few files, not the history. A file no longer
-  in the logs is reported (``quarantine_unattributed``), not counted. With no decided click, any quarantined line
-  fails the rate (the rate is per ``max(decided, 1)``).
+  in the logs is reported (``quarantine_unattributed``), not counted. The rate is per ``max(decided, 1)``, judged
+  from ``min_rate_denominator`` lines (decided clicks plus quarantined lines) on: many bad lines and no click fail.
 
 The GX project lives in ``<out>/_quality/gx`` and the Data Docs site (HTML) in ``<out>/_quality/data_docs``; both
-folders start with ``_`` so no reader of the output takes them for a pipeline. GX's logging is kept to warnings and
-its progress bars are off; the check logs one line per failed expectation (``photon.tools.quality``).
+folders start with ``_`` so no reader of the output takes them for a pipeline. A run validates in an in-memory GX
+context of its own and then, one run at a time (``_publish_lock``), stores its results in the project and builds
+their pages and the index: runs at once (Airflow's, one per hour) share no GX state while they validate. GX's
+logging is kept to warnings and its progress bars are off; the check logs one line per failed expectation
+(``photon.tools.quality``).
 
 **Data Docs offline.** GX's pages load Bootstrap, bootstrap-table (which draws every list, the validation results
 included), jQuery and the rest from CDNs, so without internet they render blank. ``make setup`` installs the npm
@@ -43,6 +50,8 @@ assets installed the pages keep their CDN links and a warning says so.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -50,6 +59,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,22 +68,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from photon.joiner.common import RECOVERED_PREFIX
 from photon.joiner.discovery import first_event_us
-from photon.logs.layout import MINUTE_US, data_center_of, partition_of
-from photon.logs.parse import parse_file
-from photon.logs.schemas import (
-    JOINED,
-    JOINED_SCHEMA,
-    QUARANTINE,
-    QUARANTINE_SCHEMA,
-    UNJOINABLE,
-    UNJOINABLE_SCHEMA,
-)
+from photon.logs import tables
+from photon.logs.layout import MINUTE_US, data_center_of, partition_of, partition_start_us
+from photon.logs.parse import parse_file_located
+from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.settings import time_bound_s
-from photon.tools.audit import pipelines_in, read_output
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,14 @@ class QualitySettings:
     latency_mostly: float = 0.99  # share of live pipelines' clicks that must meet the SLO
     max_unjoinable_rate: float = 0.05  # unjoinable clicks per decided click
     max_quarantine_rate: float = 0.05  # quarantined lines (queries' and clicks') of the interval per decided click
+    # A rate over a handful of clicks says nothing (3 bad lines beside 4 clicks is 0.75): the unjoinable rate is judged
+    # from this many decided clicks on, the quarantine rate from this many lines (decided clicks plus quarantined
+    # lines); below, each is reported (QualityResult) and not judged.
+    min_rate_denominator: int = 100
+    # Expected input: an interval whose click files (every replica's copy counted) are fewer than this fails, unless
+    # ``allow_empty`` accepts it (an hour nobody clicked, on purpose): 0 files is what stopped log shipping looks like.
+    min_click_files: int = 1
+    allow_empty: bool = False
     # Completeness: an interval is settled, and judged, once its arrival partitions are sealed (``seal_s``: follows
     # max_clock_skew_s as the joiners' seal does) and the clicks of its last files have had the joiners' maximum join
     # delay plus this margin (batch time, retry backoff, publication) to be decided.
@@ -124,18 +134,22 @@ class QualityResult:
     unjoinable: int
     quarantined: int  # distinct lines of the interval's input files
     backfilled: int = 0  # joined rows of backfill pipelines: no latency judged
+    history: int = 0  # joined rows of live pipelines whose click file arrived before the pipeline began: not judged
     quarantine_unattributed: int = 0  # quarantine records whose log file is gone: not counted
     input_clicks: int = 0  # distinct well-formed clicks in the interval's click files (all replicas)
     input_files: int = 0  # click files of the interval, every replica's copy counted
+    unjoinable_rate: float = 0.0  # as computed, judged or not (QualitySettings.min_rate_denominator)
+    quarantine_rate: float = 0.0
+    rates_not_judged: list[str] = field(default_factory=list)  # the rates whose denominator was too small
     no_outcome: int = 0  # input clicks neither joined nor unjoinable anywhere
-    joined_more_than_once: int = 0  # input clicks in joined/ more than once across all pipelines
+    joined_more_than_once: int = 0  # input clicks in the joined tables more than once across all pipelines
     samples: dict[str, list[str]] = field(default_factory=dict)  # a few click ids of each failure
-    output_files_read: int = 0  # joined/ and unjoinable/ files the completeness check opened
-    output_files: int = 0  # of how many listed
-    quarantine_files_read: int = 0  # quarantine/ files opened: those holding lines decided since the interval began
-    quarantine_files: int = 0  # of how many listed
+    output_files_read: int = 0  # joined and unjoinable data files the completeness check opened
+    output_files: int = 0  # of how many in the tables' snapshots
+    quarantine_files_read: int = 0  # quarantine data files opened: those holding lines decided since the interval began
+    quarantine_files: int = 0  # of how many in the tables' snapshots
     input_seconds: float = 0.0  # listing and parsing the interval's click files
-    output_seconds: float = 0.0  # bringing the output index up to date and reading the outcomes
+    output_seconds: float = 0.0  # loading the output tables' snapshots and reading the outcomes
     # Seconds per phase: input, output (as above), frames, gx_setup, validation, data_docs, localize (bench/quality.py)
     phases: dict[str, float] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)  # "batch: expectation(column)" of every failed expectation
@@ -151,13 +165,10 @@ class QualityResult:
 # What _joined needs of each kind of output, read once by ``outcomes`` together with the click ids it counts.
 JOINED_COLUMNS = [*REQUIRED, "user_id", "country", "advertiser_id", "bid_micros"]
 OUTPUT_COLUMNS = {JOINED: JOINED_COLUMNS, UNJOINABLE: ["click_id", "click_ts_us"]}
-_OUTPUT_SCHEMAS = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
-# The time each kind's index ranges over: the click's, or for quarantine (whose records carry none) the decision's.
-_INDEX_TIME = {JOINED: "click_ts_us", UNJOINABLE: "click_ts_us", QUARANTINE: "decided_at_us"}
 
 
 def _with_folder(t: pa.Table, pipeline: str) -> pa.Table:
-    """As read_output gives it: each row with the pipeline folder it was read from."""
+    """As ``tables.read(with_pipeline_folder=True)`` gives it: each row with the pipeline folder it was read from."""
     return t.append_column("folder", pa.array([pipeline] * t.num_rows, pa.string()))
 
 
@@ -171,12 +182,12 @@ def _joined(
 
     def read(kind: str, columns: list[str], where: ds.Expression) -> pa.Table:
         if rows is None:
-            return read_output(out, kind, columns, where)
-        tables = [_with_folder(t.filter(where).select(columns), p) for (p, k), t in sorted(rows.items()) if k == kind]
-        if not tables:
-            schema = _OUTPUT_SCHEMAS[kind]
+            return tables.read(out, kind, columns, where, with_pipeline_folder=True)
+        found = [_with_folder(t.filter(where).select(columns), p) for (p, k), t in sorted(rows.items()) if k == kind]
+        if not found:
+            schema = tables.table_schema(kind)
             return pa.schema([schema.field(c) for c in columns] + [pa.field("folder", pa.string())]).empty_table()
-        return pa.concat_tables(tables)
+        return pa.concat_tables(found)
 
     in_range = (ds.field("click_ts_us") >= start_us) & (ds.field("click_ts_us") < end_us)
     joined = read(JOINED, JOINED_COLUMNS, in_range | ds.field("click_ts_us").is_null())
@@ -192,23 +203,25 @@ def _joined(
 
 def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int) -> tuple[int, int, int, int]:
     """(distinct quarantined lines whose log file belongs to ``[start_us, end_us)``, records whose file is gone,
-    quarantine files read, listed). Only the files whose indexed ``decided_at_us`` range reaches ``since`` are opened:
-    a pipeline writes one per batch with bad lines, a month of them in its history."""
+    quarantine data files read, in the tables' snapshots). Only the records decided since ``since`` are read: the
+    hour partitions from its hour on, and of those the files whose ``decided_at_us`` statistics reach it; a pipeline
+    commits a file per batch with bad lines, a month of them in its history."""
     # A file whose first event is stamped at or after start closed after start - skew; no pipeline decided its lines
     # before that (2x: the deciding machine's clock may be skewed too).
     since_us = start_us - 2 * skew_us
     columns = ["kind", "file", "line"]
-    tables = []
+    since_hour = tables.hour_of(since_us)
+    files_where = f"{tables.PARTITION} >= '{since_hour}' AND decided_at_us >= {int(since_us)}"
+    found = []
     read = listed = 0
-    for pipeline in pipelines_in(out):
-        index = output_index(out, pipeline, QUARANTINE)
-        listed += index.num_rows
-        wanted = (index["max_ts"].to_numpy() >= since_us) & (index["rows"].to_numpy() > 0)
-        paths = [str(out / pipeline / QUARANTINE / rel) for rel in index["file"].filter(pa.array(wanted)).to_pylist()]
-        t, n = _read_files(paths, QUARANTINE_SCHEMA, columns, ds.field("decided_at_us") >= since_us)
+    for table in tables.tables(out, QUARANTINE):
+        snapshot = _Snapshot.of(table)
+        listed += snapshot.files
+        t, n = snapshot.scan(files_where, columns, lambda decided: pc.greater_equal(decided, since_us))
         read += n
-        tables.append(_with_folder(t, pipeline))
-    q = pa.concat_tables(tables) if tables else _with_folder(QUARANTINE_SCHEMA.empty_table().select(columns), "")
+        found.append(_with_folder(t, table.pipeline))
+    empty = tables.table_schema(QUARANTINE).empty_table().select(columns)
+    q = pa.concat_tables(found) if found else _with_folder(empty, "")
     q = q.filter(pc.invert(pc.starts_with(q["file"], RECOVERED_PREFIX)))
     if q.num_rows == 0:
         return 0, 0, read, listed
@@ -231,61 +244,81 @@ def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int
     return lines.group_by(["kind", "file", "line"]).aggregate([]).num_rows, unattributed, read, listed
 
 
-def _read_files(
-    paths: list[str], schema: pa.Schema, columns: list[str], where: ds.Expression | None = None
-) -> tuple[pa.Table, int]:
-    """``columns`` of the rows of ``paths`` (matching ``where``), and how many files were read. One multi-threaded
-    scan (2.5x faster than a read per file for thousands of small batch files); a file removed since it was listed
-    counts as never there, an unreadable one raises ``QualityInputError``."""
-    sub = pa.schema([schema.field(c) for c in columns])
-    try:
-        return ds.dataset(paths, format="parquet", schema=schema).to_table(columns=columns, filter=where), len(paths)
-    except (FileNotFoundError, pa.ArrowInvalid, OSError):
-        parts = []  # find which, file by file
-        for path in paths:
-            try:
-                parts.append(pq.read_table(path, columns=columns, filters=where, schema=schema))
-            except FileNotFoundError:
-                continue
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise QualityInputError(f"output file {path} is unreadable: {exc}") from exc
-        return (pa.concat_tables(parts) if parts else sub.empty_table()), len(parts)
+# Which rows of a scan to keep, by the kind's time column (``_Snapshot.scan``): a boolean mask, null dropping a row.
+Keep = Callable[[pa.ChunkedArray], pa.ChunkedArray]
+
+
+class QualityInputError(RuntimeError):
+    """An output table the check must read is unreadable (a committed data file gone or corrupt): the check cannot
+    judge the interval."""
+
+
+@dataclass
+class _Snapshot:
+    """One pipeline's table of one kind, at the version loaded: only the data files its commits name are ever read
+    (a crashed batch's files, not committed, and files compaction replaced are not)."""
+
+    table: tables.OutputTable
+    delta: Any  # deltalake.DeltaTable
+    files: int  # data files in the snapshot
+
+    @classmethod
+    def of(cls, table: tables.OutputTable) -> _Snapshot:
+        delta = table.table()
+        return cls(table, delta, delta.get_add_actions(flatten=False).num_rows)
+
+    def adds(self) -> pa.Table:
+        """The snapshot's add actions with their statistics (``min.<column>``, ``null_count.<column>``): the log's,
+        no data file opened."""
+        return pa.table(self.delta.get_add_actions(flatten=True))
+
+    def scan(self, files_where: str, columns: list[str], keep: Keep) -> tuple[pa.Table, int]:
+        """``columns`` of the rows ``keep`` keeps (by the kind's time column) in the files ``files_where`` keeps (a
+        Delta predicate: partitions select exactly, file statistics prune), and how many files were read.
+        Both say the same, so which rows are read does not depend on how they are laid out in files. The files are
+        the snapshot's (its log's add actions, ``file_uris``), read in one multi-threaded scan: an hour of 1-s
+        batches is thousands of small files, and ``to_pyarrow_dataset`` builds a statistics expression for each,
+        which costs as much as reading them (bench/quality.py)."""
+        protocol = self.delta.protocol()
+        if protocol.min_reader_version > 1:  # deletion vectors, column mapping: a file's rows are not all its rows
+            raise QualityInputError(
+                f"output table {self.table.path} needs Delta reader version {protocol.min_reader_version}"
+                f" ({', '.join(protocol.reader_features or [])}): this check reads version 1 tables"
+            )
+        try:
+            paths = self.delta.file_uris(file_pruning_predicate=files_where)
+            schema = tables.table_schema(self.table.kind)
+            schema = schema.remove(schema.get_field_index(tables.PARTITION))  # in the path, not in the files
+            # The rows are filtered once read, all together, by a mask: a filter expression (in the scan or on the
+            # table) is evaluated chunk by chunk, and an hour of 1-s batches is thousands of one-file chunks.
+            when = tables.TIME_COLUMN[self.table.kind]
+            read = ds.dataset(paths, schema=schema, format="parquet").to_table(columns=list({*columns, when}))
+            return read.filter(keep(read[when])).select(columns), len(paths)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise QualityInputError(f"output table {self.table.path} is unreadable: {exc}") from exc
 
 
 # -- Completeness: every click of the interval's input has exactly one outcome ------------------------------------
 
-INDEX_DIR = "index"  # <out>/_quality/index/<pipeline>.<kind>.parquet: click-time range per output file
-_INDEX_SCHEMA = pa.schema(
-    [
-        ("file", pa.string()),  # path under <out>/<pipeline>/<kind>/
-        ("size", pa.int64()),
-        ("mtime_ns", pa.int64()),
-        # With the inode: a file replaced under its name (a rename, a restore keeping size and mtime) is a new file.
-        # Nothing sets ctime back: any write or rename in place moves it.
-        ("ctime_ns", pa.int64()),
-        ("inode", pa.int64()),
-        ("rows", pa.int64()),
-        ("min_ts", pa.int64()),  # _INDEX_TIME[kind]; INT64 min/max when the footer cannot bound it (nulls, no stats)
-        ("max_ts", pa.int64()),
-    ]
-)
-_TS_LO, _TS_HI = -(2**63), 2**63 - 1
+_TS_LO = -(2**63)
 SAMPLE_IDS = 5
 PARSE_GROUP_BYTES = 8 << 20  # click files parsed in one call (interval_clicks)
 
 
-def interval_click_files(logs: Path, start_us: int, end_us: int) -> list[Path]:
+def interval_click_files(logs: Path, start_us: int, end_us: int, dcs: Sequence[str] | None = None) -> list[Path]:
     """The click files of ``[start_us, end_us)``, of every data center's replica: the closed files of the arrival
     partitions that start in the interval (EVENTS.md), and the flat files directly in ``clicks/`` (the layout before
     partitions) whose first event is stamped in it, as ``photon_backfill`` picks them. A file lies in exactly one
     partition, so every click file of a replica belongs to exactly one interval; once the partitions are sealed no file
     can join the interval, so the set is final. The verifier's ``recovered-*`` files are copies and never count.
-    Lists the interval's minute folders only (60 ``listdir`` per replica for an hour), never the history."""
+    Lists the interval's minute folders only (60 ``listdir`` per replica for an hour), never the history. ``dcs``:
+    only these replicas."""
     files: list[Path] = []
-    try:
-        dcs = sorted(e.name for e in os.scandir(logs) if e.is_dir() and not e.name.startswith(("_", ".")))
-    except FileNotFoundError:
-        return files
+    if dcs is None:
+        try:
+            dcs = sorted(e.name for e in os.scandir(logs) if e.is_dir() and not e.name.startswith(("_", ".")))
+        except FileNotFoundError:
+            return files
 
     def closed(name: str) -> bool:
         return name.endswith(".jsonl") and not name.startswith((".", RECOVERED_PREFIX))
@@ -313,22 +346,31 @@ def interval_click_files(logs: Path, start_us: int, end_us: int) -> list[Path]:
 
 
 def interval_clicks(files: list[Path]) -> pa.Table:
-    """Distinct well-formed clicks (``click_id``, ``ts_us``) of the files, by the joiner's own parser: a line it
-    quarantines is no click here either (quarantine is checked by its own rate).
+    """Distinct well-formed clicks (``click_id``, ``ts_us``, ``arrival_us``) of the files, by the joiner's own parser:
+    a line it quarantines is no click here either (quarantine is checked by its own rate). ``arrival_us``: the start
+    of the earliest arrival partition holding the click, in any replica (null where only flat files hold it).
 
     The files are parsed together, a few MB at a time: Arrow's JSON reader costs about 1 ms a call however short the
-    input, and an hour holds thousands of one-second files per replica (20 s for 14,570 files, 0.5 s together). A
-    file whose last line is torn (no final newline) gets one, so that line stays a line of its own, as when the file
-    is parsed alone: parsing is line by line, so the events are the same."""
+    input, and an hour holds thousands of one-second files per replica (20 s for 14,570 files, 0.5 s together); each
+    event's byte offset tells its file, and so its arrival. A file whose last line is torn (no final newline) gets
+    one, so that line stays a line of its own, as when the file is parsed alone: parsing is line by line, so the
+    events are the same."""
     tables: list[pa.Table] = []
     group: list[bytes] = []
+    arrivals: list[int] = []  # of each file of the group; -1: unknown (a flat file)
+    of_folder: dict[Path, int] = {}  # a partition's start, parsed once (thousands of files share one)
     size = 0
 
     def parse_group() -> None:
         nonlocal size
         if group:
-            tables.append(parse_file("interval", b"".join(group), "clicks")[0].select(["click_id", "ts_us"]))
+            good, _, offsets, _ = parse_file_located("interval", b"".join(group), "clicks")
+            starts = np.cumsum([0] + [len(g) for g in group[:-1]])
+            arrival = np.asarray(arrivals, np.int64)[np.searchsorted(starts, offsets, side="right") - 1]
+            column = pa.array(arrival, pa.int64(), mask=arrival < 0)
+            tables.append(good.select(["click_id", "ts_us"]).append_column("arrival_us", column))
         group.clear()
+        arrivals.clear()
         size = 0
 
     for f in files:
@@ -336,138 +378,78 @@ def interval_clicks(files: list[Path]) -> pa.Table:
         if not data:
             continue
         group.append(data if data.endswith(b"\n") else data + b"\n")
+        if f.parent not in of_folder:
+            arrival = _arrival_us(f)
+            of_folder[f.parent] = -1 if arrival is None else arrival
+        arrivals.append(of_folder[f.parent])
         size += len(data)
         if size >= PARSE_GROUP_BYTES:
             parse_group()
     parse_group()
     if not tables:
-        return pa.table({"click_id": pa.array([], pa.string()), "ts_us": pa.array([], pa.int64())})
+        return pa.table(
+            {
+                "click_id": pa.array([], pa.string()),
+                "ts_us": pa.array([], pa.int64()),
+                "arrival_us": pa.array([], pa.int64()),
+            }
+        )
     t = pa.concat_tables(tables)
     # The same event may be in two files (a re-send) and is in every replica: one click, one outcome.
-    return t.group_by("click_id", use_threads=False).aggregate([("ts_us", "min")]).rename_columns(["click_id", "ts_us"])
+    return (
+        t.group_by("click_id", use_threads=False)
+        .aggregate([("ts_us", "min"), ("arrival_us", "min")])
+        .rename_columns(["click_id", "ts_us", "arrival_us"])
+    )
 
 
-def _footer_range(path: Path, column: str = "click_ts_us") -> tuple[int, int, int]:
-    """(rows, min, max of ``column``) from a Parquet footer; the whole range where it cannot bound the column."""
-    meta = pq.ParquetFile(path).metadata
-    rows = meta.num_rows
-    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
-    if column not in names:
-        return rows, _TS_LO, _TS_HI
-    col = names.index(column)
-    lo, hi = _TS_HI, _TS_LO
-    for g in range(meta.num_row_groups):
-        cm = meta.row_group(g)
-        if cm.num_rows == 0:
-            continue
-        st = cm.column(col).statistics
-        # A null time (a broken row) may still carry one of our ids: such a file is always read.
-        if st is None or not st.has_min_max or st.null_count is None or st.null_count > 0:
-            return rows, _TS_LO, _TS_HI
-        lo, hi = min(lo, int(st.min)), max(hi, int(st.max))
-    return rows, lo, hi
-
-
-def _listed(folder: Path, prefix: str = "") -> list[tuple[str, tuple[int, int, int, int]]]:
-    """(path under ``folder``, (size, mtime_ns, ctime_ns, inode)) of every complete Parquet file, recursively;
-    ``_*``/``.*`` are in progress (as the dataset reader skips them)."""
-    found: list[tuple[str, tuple[int, int, int, int]]] = []
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return found
-    for e in entries:
-        if e.name.startswith(("_", ".")):
-            continue
-        if e.is_dir():
-            found += _listed(Path(e.path), f"{prefix}{e.name}/")
-        elif e.name.endswith(".parquet"):
-            st = e.stat()
-            found.append((prefix + e.name, (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)))
-    return found
-
-
-def output_index(out: Path, pipeline: str, kind: str) -> pa.Table:
-    """The time range (``_INDEX_TIME``: the clicks', or the quarantine decisions') of every output file of one
-    pipeline and kind, from ``<out>/_quality/index``, brought up to date: files gone are dropped, new (or changed:
-    size, mtime, ctime or inode) files have their footer read once. A published output file never changes, so a run
-    reads the footers of what was published since the last run, not of the history; listing the folder is the only
-    cost that grows with it (measured in the README)."""
-    path = out / QUALITY_DIR / INDEX_DIR / f"{pipeline}.{kind}.parquet"
-    old: dict[str, tuple[tuple[Any, ...], int, int, int]] = {}
-    if path.exists():
-        for r in pq.read_table(path).to_pylist():  # an index written before ctime/inode: each footer read once more
-            key = (r["size"], r["mtime_ns"], r.get("ctime_ns"), r.get("inode"))
-            old[r["file"]] = (key, r["rows"], r["min_ts"], r["max_ts"])
-    rows: dict[str, list[Any]] = {f.name: [] for f in _INDEX_SCHEMA}
-    changed = False
-    listed = _listed(out / pipeline / kind)
-    for rel, stat in listed:
-        known = old.get(rel)
-        if known is not None and known[0] == stat:
-            n, lo, hi = known[1:]
-        else:
-            try:
-                n, lo, hi = _footer_range(out / pipeline / kind / rel, _INDEX_TIME[kind])
-            except FileNotFoundError:
-                continue
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise QualityInputError(f"output file {out / pipeline / kind / rel} is unreadable: {exc}") from exc
-            changed = True
-        for k, v in zip(_INDEX_SCHEMA.names, (rel, *stat, n, lo, hi), strict=True):
-            rows[k].append(v)
-    table = pa.table(rows, schema=_INDEX_SCHEMA)
-    if changed or len(listed) != len(old):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)  # two concurrent runs each write a complete index; either is right
-    return table
-
-
-class QualityInputError(RuntimeError):
-    """An output file the check must read is unreadable: the check cannot judge the interval."""
+def _arrival_us(path: Path) -> int | None:
+    """The start of a click file's arrival partition (``<clicks>/<YYYYmmdd>/<HHMM>/<name>``); None for a flat file."""
+    day, minute = path.parent.parent.name, path.parent.name
+    if len(day) == 8 and len(minute) == 4 and day.isdigit() and minute.isdigit():
+        return partition_start_us(f"{day}/{minute}")
+    return None
 
 
 @dataclass
 class Outcomes:
-    clicks: pa.Table  # click_id, ts_us, joined (rows in joined/), unjoinable (rows in unjoinable/)
+    clicks: pa.Table  # click_id, ts_us, joined (rows in the joined tables), unjoinable (in the unjoinable tables)
     files_read: int
     files: int
-    # (pipeline, kind): the OUTPUT_COLUMNS of the files that can hold the interval's rows (``outcomes(interval=)``)
+    # (pipeline, kind): the OUTPUT_COLUMNS of the rows of the interval's hours (``outcomes(interval=)``)
     rows: dict[tuple[str, str], pa.Table] = field(default_factory=dict)
+    # pipeline -> its earliest joined_at_us in its whole joined table (its files' statistics): when it began
+    first_at: dict[str, int] = field(default_factory=dict)
 
 
 def outcomes(out: Path, clicks: pa.Table, interval: tuple[int, int] | None = None) -> Outcomes:
-    """For each input click, how many rows every pipeline's ``joined/`` and ``unjoinable/`` hold for it. Only the
-    output files whose click-time range (``output_index``) holds some input click's time are read, and of those only
-    the ``click_id`` column. With an ``interval``, also the files whose range meets it, with the columns ``_joined``
-    needs (``OUTPUT_COLUMNS``), kept in ``Outcomes.rows``: thousands of small batch files are opened once, not twice
-    (about 1 ms a file)."""
+    """For each input click, how many rows every pipeline's ``joined`` and ``unjoinable`` tables hold for it. Only
+    the hour partitions of the input clicks' times are read, of those the files whose click-time statistics meet
+    those times, and of those only the ``click_id`` column. With an ``interval``, also its hours' rows, with the
+    columns ``_joined`` needs (``OUTPUT_COLUMNS``), kept in ``Outcomes.rows``: thousands of small batch files are
+    opened once, not twice (about 1 ms a file). Rows without a click time are always read."""
+    if not out.is_dir():
+        raise FileNotFoundError(f"output folder {out} does not exist")
     ids = clicks["click_id"].combine_chunks() if clicks.num_rows else pa.array([], pa.string())
-    ts = np.unique(clicks["ts_us"].to_numpy()) if clicks.num_rows else np.zeros(0, np.int64)
+    ts = clicks["ts_us"].to_numpy() if clicks.num_rows else np.zeros(0, np.int64)
+    files_where, keep = _click_hours(ts, interval)
     counts = {}
     rows: dict[tuple[str, str], pa.Table] = {}
+    first_at: dict[str, int] = {}
     read = listed = 0
     for kind in (JOINED, UNJOINABLE):
         found: list[pa.Array] = []
         columns = OUTPUT_COLUMNS[kind] if interval is not None else ["click_id"]
-        for pipeline in pipelines_in(out):
-            index = output_index(out, pipeline, kind)
-            listed += index.num_rows
-            lo_ts, hi_ts = index["min_ts"].to_numpy(), index["max_ts"].to_numpy()
-            lo = np.searchsorted(ts, lo_ts, side="left")
-            hi = np.searchsorted(ts, hi_ts, side="right")
-            wanted = hi > lo
-            if interval is not None:  # a file that may hold a null click time has the whole range: it is read
-                wanted |= (lo_ts < interval[1]) & (hi_ts >= interval[0])
-            wanted &= index["rows"].to_numpy() > 0
-            paths = [str(out / pipeline / kind / rel) for rel in index["file"].filter(pa.array(wanted)).to_pylist()]
-            t, n = _read_files(paths, _OUTPUT_SCHEMAS[kind], columns)
+        for table in tables.tables(out, kind):
+            snapshot = _Snapshot.of(table)
+            listed += snapshot.files
+            if kind == JOINED and snapshot.files:
+                first_at[table.pipeline] = _first_at(snapshot.adds())
+            t, n = snapshot.scan(files_where, columns, keep)
             read += n
             found += t["click_id"].chunks
             if interval is not None:
-                rows[(pipeline, kind)] = t
+                rows[(table.pipeline, kind)] = t
         every = pa.concat_arrays(found) if found else pa.array([], pa.string())
         every = every.filter(pc.is_in(every, value_set=ids))  # one hash set of the input ids, not one per file
         if len(every):
@@ -478,12 +460,56 @@ def outcomes(out: Path, clicks: pa.Table, interval: tuple[int, int] | None = Non
             counts[kind] = pa.array(np.zeros(len(ids), np.int64))
     table = pa.table({"click_id": ids, "ts_us": clicks["ts_us"] if clicks.num_rows else pa.array([], pa.int64())})
     table = table.append_column("joined", counts[JOINED]).append_column("unjoinable", counts[UNJOINABLE])
-    return Outcomes(table, read, listed, rows)
+    return Outcomes(table, read, listed, rows, first_at)
+
+
+def _click_hours(ts: np.ndarray, interval: tuple[int, int] | None) -> tuple[str, Keep]:
+    """Where the outcomes of clicks stamped ``ts`` (and, with ``interval``, every row of its hours) lie in a
+    ``joined`` or ``unjoinable`` table, as a Delta predicate (files) and a row filter saying the same: per hour
+    partition, the range of those times in it; and the partition of rows without a click time (``hour`` null), which
+    may hold any click."""
+    hour_us = 3_600 * US
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    if len(ts):
+        hours = ts // hour_us
+        for h in np.unique(hours):
+            mine = ts[hours == h]
+            lo[int(h)], hi[int(h)] = int(mine.min()), int(mine.max())
+    if interval is not None and interval[1] > interval[0]:
+        for h in range(interval[0] // hour_us, (interval[1] - 1) // hour_us + 1):
+            a, b = max(interval[0], h * hour_us), min(interval[1] - 1, (h + 1) * hour_us - 1)
+            lo[h], hi[h] = min(lo.get(h, a), a), max(hi.get(h, b), b)
+    sql = [f"{tables.PARTITION} IS NULL"]
+    for h in sorted(lo):
+        name = tables.hour_of(h * hour_us)
+        sql.append(f"({tables.PARTITION} = '{name}' AND click_ts_us >= {lo[h]} AND click_ts_us <= {hi[h]})")
+
+    def keep(click_ts: pa.ChunkedArray) -> pa.ChunkedArray:
+        """The rows say it by their time: an hour's rows are those whose time is in it, the null hour's those
+        without."""
+        mask = pc.is_null(click_ts)
+        for h in lo:
+            mask = pc.or_kleene(mask, pc.and_(pc.greater_equal(click_ts, lo[h]), pc.less_equal(click_ts, hi[h])))
+        return mask
+
+    return " OR ".join(sql), keep
+
+
+def _first_at(adds: pa.Table) -> int:
+    """The earliest ``joined_at_us`` of a ``joined`` table, from its files' statistics; INT64 min where they cannot
+    bound it (a file without them, or with a null time)."""
+    if "min.joined_at_us" not in adds.column_names or "null_count.joined_at_us" not in adds.column_names:
+        return _TS_LO
+    mins, nulls = adds["min.joined_at_us"], adds["null_count.joined_at_us"]
+    if mins.null_count or nulls.null_count or pc.max(nulls).as_py():
+        return _TS_LO
+    return int(pc.min(mins).as_py())
 
 
 def completeness_frame(o: Outcomes) -> Any:
     """One row per input click: ``no_outcome`` holds its id when no pipeline joined it or gave it up, and
-    ``joined_more_than_once`` when it is in ``joined/`` more than once; both null otherwise. GX's unexpected values
+    ``joined_more_than_once`` when the joined tables hold it more than once; both null otherwise. GX's unexpected values
     of a null expectation are then the failing click ids themselves (in the result, the log line and Data Docs)."""
     t = o.clicks
     ids = t["click_id"]
@@ -497,6 +523,29 @@ def completeness_frame(o: Outcomes) -> Any:
             "joined_more_than_once": pc.if_else(twice, ids, null),
         }
     ).to_pandas()
+
+
+def _history(
+    frame: Any, clicks: pa.Table, first_at: dict[str, int], s: QualitySettings, later: Callable[[], pa.Table]
+) -> Any:
+    """Which joined rows are history to the live pipeline that joined them: the click's file arrived (its earliest
+    arrival partition, ``interval_clicks``) more than the latency SLO before that pipeline's first output
+    (``Outcomes.first_at``), so no batch of it could have met the SLO: a pipeline started at the beginning of the logs
+    joining what came before it. A click file that arrived after the pipeline began is live however late it was
+    joined (a pipeline that fell behind is judged); one of unknown arrival (a flat file) is live too.
+    A click stamped in the interval's last seconds whose file landed in a later partition is that interval's input,
+    not this one's: its arrival comes from ``later()``, the clicks of the partitions that land before this interval
+    settles, read only when such rows exist."""
+    arrived = frame["click_id"].map(_series(clicks, "click_id", "arrival_us"))
+    began = frame["folder"].map(first_at)
+    if (arrived.isna() & began.notna()).any():
+        arrived = arrived.fillna(frame["click_id"].map(_series(later(), "click_id", "arrival_us")))
+    return (arrived.notna() & began.notna() & (arrived + MINUTE_US <= began - s.latency_slo_s * US)).astype(bool)
+
+
+def _series(t: pa.Table, key: str, value: str) -> Any:
+    """``t[value]`` indexed by ``t[key]``, as a pandas Series."""
+    return t.select([key, value]).to_pandas().set_index(key)[value]
 
 
 def _quiet_gx() -> None:
@@ -531,6 +580,62 @@ def _context(root: Path, index_results: int) -> Any:
     return context
 
 
+PUBLISH_LOCK = ".publish.lock"  # <out>/_quality/.publish.lock: held while a run writes its results and the site
+
+
+@contextlib.contextmanager
+def _publish_lock(root: Path) -> Iterator[None]:
+    """Held while a run writes into the shared GX project and site (``_publish``): GX's file stores rewrite their
+    files in place, so a reader beside a writer reads half a file. Validating needs no lock (``check_quality``); only
+    this step waits, and says so."""
+    with open(root / PUBLISH_LOCK, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("data quality: waiting for another run to finish writing %s", root / "data_docs")
+            t0 = time.monotonic()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            log.info("data quality: waited %.1f s for the Data Docs site", time.monotonic() - t0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(
+    root: Path, site: Path, s: QualitySettings, suites: dict[str, Any], results: dict[Any, Any], suite_id: Any
+) -> float:
+    """Store this run's validation results in the GX project under ``root`` (each under its own key: interval, suite,
+    batch) and build their pages, the suites' and the index, which lists the newest results of every run; then serve
+    the pages' assets offline. One run at a time (``_publish_lock``). Returns when the site was built (monotonic)."""
+    with _publish_lock(root):
+        context = _context(root, s.index_results)
+        built: list[Any] = list(results)
+        for suite in suites.values():
+            context.suites.add_or_update(suite)
+            built.append(suite_id(name=suite.name))
+        for key, result in results.items():
+            context.validation_results_store.set(key, result)
+        context.build_data_docs(site_names=["photon"], resource_identifiers=built)
+        t_localize = time.monotonic()
+        localize_data_docs(site)
+    return t_localize
+
+
+def _ephemeral_config() -> Any:
+    """An in-memory GX project: no store on disk, no temporary docs site, no progress bars."""
+    from great_expectations.data_context.types.base import (
+        DataContextConfig,
+        InMemoryStoreBackendDefaults,
+        ProgressBarsConfig,
+    )
+
+    return DataContextConfig(
+        store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
+        progress_bars=ProgressBarsConfig(globally=False, metric_calculations=False),
+    )
+
+
 def _suites(gx: Any, s: QualitySettings) -> dict[str, Any]:
     e = gx.expectations
     joined = gx.ExpectationSuite(name="photon_joined")
@@ -547,6 +652,9 @@ def _suites(gx: Any, s: QualitySettings) -> dict[str, Any]:
     )
     rates.add_expectation(
         e.ExpectColumnValuesToBeBetween(column="quarantine_rate", min_value=0, max_value=s.max_quarantine_rate)
+    )
+    rates.add_expectation(
+        e.ExpectColumnValuesToBeBetween(column="input_click_files", min_value=0 if s.allow_empty else s.min_click_files)
     )
     completeness = gx.ExpectationSuite(name="photon_completeness")
     completeness.add_expectation(e.ExpectColumnValuesToBeNull(column="no_outcome"))
@@ -595,68 +703,84 @@ def check_quality(
     frame = joined.to_pandas()
     frame["click_after_query_s"] = (frame["click_ts_us"] - frame["query_ts_us"]) / US
     live = ~frame["pipeline"].fillna("").str.startswith(BACKFILL_PREFIX)
-    frame["live_latency_s"] = ((frame["joined_at_us"] - frame["click_ts_us"]) / US).where(live)
-    decided = max(joined.num_rows + unjoinable, 1)
-    rates = pd.DataFrame({"unjoinable_rate": [unjoinable / decided], "quarantine_rate": [quarantined / decided]})
+    history = _history(
+        frame,
+        clicks,
+        found.first_at,
+        s,
+        later=lambda: interval_clicks(interval_click_files(logs, end_us, s.settled_at_us(end_us))),
+    )
+    frame["live_latency_s"] = ((frame["joined_at_us"] - frame["click_ts_us"]) / US).where(live & ~history)
+    decided = joined.num_rows + unjoinable
+    unjoinable_rate = unjoinable / max(decided, 1)
+    quarantine_rate = quarantined / max(decided, 1)
+    # Null: not judged (GX leaves nulls out), the denominator too small to mean anything.
+    rates = pd.DataFrame(
+        {
+            "unjoinable_rate": [unjoinable_rate if decided >= s.min_rate_denominator else None],
+            "quarantine_rate": [quarantine_rate if decided + quarantined >= s.min_rate_denominator else None],
+            "input_click_files": [len(click_files)],
+        },
+        dtype="float64",
+    )
     root = out / QUALITY_DIR
     root.mkdir(parents=True, exist_ok=True)
     t_gx = time.monotonic()
     phases["frames"] = t_gx - t_done
-    context = _context(root, s.index_results)
-    datasource = context.data_sources.add_or_update_pandas("photon_output")
+    # The validation runs in a context of its own, in memory: no run reads a store another run rewrites (two runs at
+    # once crashed in GX's shared expectation store). Only the results and the site are shared, written below.
+    context: Any = gx.get_context(mode="ephemeral", project_config=_ephemeral_config())
+    datasource = context.data_sources.add_pandas("photon_output")
     definitions = []
     for name, suite in _suites(gx, s).items():
-        asset = next((a for a in datasource.assets if a.name == name), None) or datasource.add_dataframe_asset(name)
-        batch = next((b for b in asset.batch_definitions if b.name == "interval"), None)
-        batch = batch or asset.add_batch_definition_whole_dataframe("interval")
-        suite = context.suites.add_or_update(suite)
+        batch = datasource.add_dataframe_asset(name).add_batch_definition_whole_dataframe("interval")
+        suite = context.suites.add(suite)
         definitions.append(
-            context.validation_definitions.add_or_update(gx.ValidationDefinition(name=name, data=batch, suite=suite))
+            context.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch, suite=suite))
         )
     failed: list[str] = []
     details: list[str] = []
     statistics: dict[str, Any] = {}
     success = True
     site = root / "data_docs"
-    built: list[Any] = []  # identifiers of the results and suites whose pages this run renders
+    results: dict[Any, Any] = {}  # this run's validation results, by identifier
     t_run = time.monotonic()
     phases["gx_setup"] = t_run - t_gx
     for definition, frame_ in zip(definitions, (frame, rates, complete), strict=True):
-        checkpoint = context.checkpoints.add_or_update(
+        checkpoint = context.checkpoints.add(
             gx.Checkpoint(
                 name=f"photon_{definition.name}",
                 validation_definitions=[definition],
-                # No UpdateDataDocsAction: it rebuilds the site's index, which reads every validation result ever
-                # stored, once per checkpoint; the site is built once below for all three.
-                actions=[],
+                actions=[],  # the site is built once below, for all three
                 result_format="SUMMARY",
             )
         )
         result = checkpoint.run(batch_parameters={"dataframe": frame_}, run_id=_run_id(start_us, end_us))
         success &= bool(result.success)
-        built += [*result.run_results, ExpectationSuiteIdentifier(name=definition.suite.name)]
+        results.update(result.run_results)
         for vr in result.run_results.values():
             statistics[definition.name] = dict(vr.statistics)
             for r in vr.results:
                 if not r.success:
                     cfg = r.expectation_config
                     failed.append(f"{definition.name}: {cfg.type}({cfg.kwargs.get('column', '')})")
-                    details.append(f"{failed[-1]}: {_observed(r.result)}")
+                    details.append(f"{failed[-1]}: {_observed(r.result)}{_HINTS.get(cfg.kwargs.get('column'), '')}")
     t_docs = time.monotonic()
     phases["validation"] = t_docs - t_run
-    # The pages of this run's results and suites, and the index: what the three actions built, built once.
-    context.build_data_docs(site_names=["photon"], resource_identifiers=built)
-    t_localize = time.monotonic()
+    t_localize = _publish(root, site, s, _suites(gx, s), results, ExpectationSuiteIdentifier)
     phases["data_docs"] = t_localize - t_docs
-    localize_data_docs(site)
     phases["localize"] = time.monotonic() - t_localize
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
     no_outcome = complete["no_outcome"].dropna().tolist()
     twice = complete["joined_more_than_once"].dropna().tolist()
     counts = (
         f"{joined.num_rows} joined, {unjoinable} unjoinable, {quarantined} quarantined lines;"
-        f" {clicks.num_rows} input clicks, {len(no_outcome)} without outcome, {len(twice)} joined more than once"
+        f" {clicks.num_rows} input clicks in {len(click_files)} click files, {len(no_outcome)} without outcome,"
+        f" {len(twice)} joined more than once"
     )
+    small = [c for c in ("unjoinable_rate", "quarantine_rate") if pd.isna(rates[c].iloc[0])]
+    if small:
+        counts += f"; not judged over fewer than {s.min_rate_denominator}: {', '.join(small)}"
     log.info("data quality %s: %s (%s)", window, "PASS" if success else f"FAIL, {len(failed)} expectation(s)", counts)
     for line in details:
         log.warning("data quality %s: %s", window, line)
@@ -668,9 +792,13 @@ def check_quality(
         unjoinable=unjoinable,
         quarantined=quarantined,
         backfilled=int((~live).sum()),
+        history=int((live & history).sum()),
         quarantine_unattributed=unattributed,
         input_clicks=clicks.num_rows,
         input_files=len(click_files),
+        unjoinable_rate=round(unjoinable_rate, 6),
+        quarantine_rate=round(quarantine_rate, 6),
+        rates_not_judged=small,
         no_outcome=len(no_outcome),
         joined_more_than_once=len(twice),
         samples={"no_outcome": sorted(no_outcome)[:SAMPLE_IDS], "joined_more_than_once": sorted(twice)[:SAMPLE_IDS]},
@@ -686,6 +814,14 @@ def check_quality(
         statistics=statistics,
         docs_index=str(site / "index.html"),
     )
+
+
+_HINTS = {
+    "input_click_files": (
+        " click files in any replica, where input is expected (min_click_files): log shipping stopped, or the"
+        " wrong logs folder; allow_empty accepts an interval without input"
+    ),
+}
 
 
 def _observed(result: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from photon.logs.layout import list_closed, partition_of, partition_start_us
+from photon.logs.layout import list_closed, part_of_name, partition_of, partition_start_us
 from photon.pg import autocommit
 from photon.settings import load_settings
 
@@ -148,17 +148,58 @@ def _history_scope(cur: Any, out: Path | None) -> tuple[str | None, dict[str, st
     return (partition_of(int(threshold)) if threshold else None), of_dc
 
 
-def handover_gaps(cur: Any, pipeline: str, since_us: int) -> list[float]:
-    """Seconds between the last batch of one lease and the first batch of the next (the time a hand-over joined
-    nothing), for the leases that started since ``since_us``."""
+def handover_gaps(
+    cur: Any,
+    pipeline: str,
+    since_us: int,
+    *,
+    logs: Path | None = None,
+    current: tuple[int, int | None] | None = None,
+) -> list[float]:
+    """Seconds input waited for a lease at each hand-over, for the leases that started since ``since_us``.
+
+    Between one lease's last batch (ended at T1) and the first batch of the next lease that committed one (started at
+    T2), input waited from the later of T1 and the arrival of the first file that batch read, to T2. Time between
+    leases with nothing to read is not a gap: a quiet data center's idle leases (they commit no batch) left the first
+    file after them waiting only from its arrival. And where the next lease is the one holding the pipeline now
+    (``current``: its epoch and start) and it started before that file arrived, it was idle, not handing over: no gap.
+    A file's arrival is its modification time under ``logs`` (the data center's folder), else the start of its arrival
+    partition (the minute it arrived in: a gap may then read up to a minute long); a batch that read no file (only
+    retries) waited from T1."""
     cur.execute(
-        "SELECT min(m.started_at_us), max(m.started_at_us + (m.duration_s * 1e6)::bigint) FROM photon.batch_metrics m"
+        "SELECT m.epoch, min(m.batch_seq), min(m.started_at_us),"
+        " max(m.started_at_us + (m.duration_s * 1e6)::bigint) FROM photon.batch_metrics m"
         " WHERE m.pipeline = %s AND m.epoch >= coalesce((SELECT max(epoch) FROM photon.batch_metrics"
         "  WHERE pipeline = %s AND started_at_us < %s), 0) GROUP BY m.epoch ORDER BY m.epoch",
         (pipeline, pipeline, since_us),
     )
     leases = cur.fetchall()
-    return [round((nxt[0] - prev[1]) / US, 3) for prev, nxt in itertools.pairwise(leases)]
+    gaps = []
+    for (_, _, _, prev_end), (epoch, first_seq, first_start, _) in itertools.pairwise(leases):
+        cur.execute(
+            "SELECT kind, name FROM photon.consumed_files WHERE pipeline = %s AND batch_seq = %s", (pipeline, first_seq)
+        )
+        arrivals = [a for kind, name in cur.fetchall() if (a := _arrival_us(logs, kind, name)) is not None]
+        waiting_from = max(int(prev_end), min(arrivals)) if arrivals else int(prev_end)
+        if current is not None and current[0] == epoch and current[1] is not None and current[1] <= waiting_from:
+            continue  # the lease running now was already there when its input came: idle, then joining
+        if first_start > waiting_from:
+            gaps.append(round((int(first_start) - waiting_from) / US, 3))
+    return gaps
+
+
+def _arrival_us(logs: Path | None, kind: str, name: str) -> int | None:
+    """When a consumed file arrived: its modification time, else its arrival partition's start (None: unknown)."""
+    if logs is not None:
+        try:
+            return int(os.stat(logs / kind / name).st_mtime * US)
+        except OSError:
+            pass
+    part = part_of_name(name)
+    try:
+        return partition_start_us(part) if part is not None else None
+    except ValueError:  # not a partition folder
+        return None
 
 
 def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now_us: int) -> dict[str, int] | None:
@@ -178,6 +219,36 @@ def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now
         return {"waiting": 0, "due": 0}
     due = pq.read_table(folder, columns=["due_us"])["due_us"].to_pylist()
     return {"waiting": len(due), "due": sum(1 for d in due if d <= now_us)}
+
+
+def _tables(out: Path | None, pipeline: str, now_us: int) -> dict[str, dict[str, Any]] | None:
+    """Per output table of the pipeline: its Delta version, last published batch (its txn version), files and bytes
+    in the current snapshot, data files on disk (those of replaced or never-committed batches too, until maintenance
+    vacuums them) and when it was last committed, and how long ago. One open of each table: its snapshot answers all
+    but the files on disk. None without the output folder."""
+    from photon.logs import tables
+    from photon.logs.schemas import OUTPUT_KINDS
+    from photon.tools.maintenance import table_facts
+
+    if out is None:
+        return None
+    found: dict[str, dict[str, Any]] = {}
+    for kind in OUTPUT_KINDS:
+        for t in tables.tables(out, kind, [pipeline]):
+            dt = t.table()
+            facts = table_facts(t, dt)
+            last = dt.history(1)
+            at_us = int(last[0]["timestamp"]) * 1000 if last else None
+            found[kind] = {
+                "version": facts.version,
+                "published_batch": facts.published_batch,
+                "files": facts.files,
+                "bytes": facts.bytes,
+                "files_on_disk": facts.files_on_disk,
+                "last_commit_at_us": at_us,
+                "last_commit_age_s": None if at_us is None else round(max(0, now_us - at_us) / US, 3),
+            }
+    return found
 
 
 def pipeline_status(
@@ -221,8 +292,14 @@ def pipeline_status(
                 (pipeline, now_us - int(window_s * US)),
             )
             batches, clicks, joined, wasted, p50, p90, p99 = cur.fetchone()
-            gaps = handover_gaps(cur, pipeline, now_us - int(window_s * US))
             dc = _dc_of(pipeline, out)
+            gaps = handover_gaps(
+                cur,
+                pipeline,
+                now_us - int(window_s * US),
+                logs=None if logs is None or dc is None else logs / dc,
+                current=None if holder is None else (int(epoch), lease_at),
+            )
             kind = "backfill" if pipeline.startswith(BACKFILL_PREFIX) else "live"
             live = kind == "live"
             beat_age = None if beat_at is None else round((now_us - beat_at) / US, 3)
@@ -274,6 +351,7 @@ def pipeline_status(
                     "heartbeat_age_s": beat_age,
                     "lag": lag,
                     "retries": _retries(out, pipeline, int(last_batch), batch_epoch, now_us),
+                    "tables": _tables(out, pipeline, now_us),
                     "recent": {
                         "window_s": window_s,
                         "batches": int(batches),

@@ -1,0 +1,369 @@
+"""The output as Delta tables (EVENTS.md, "Output"): per pipeline, ``<out>/<pipeline>/{joined,unjoinable,quarantine}``,
+each a Delta table partitioned by ``hour`` (``YYYYmmddHH``, UTC: the click's hour, a quarantine record's decision's).
+
+A batch's data files are written into the table's location by the tasks that produced them (``stage_rows``), before
+the registry commit, and are invisible to every reader of the table until the batch is committed to it. After the
+fenced registry commit, ``publish_batch`` commits them in one Delta commit per table carrying the application
+transaction ``txn(photon/<pipeline>, batch)``: Delta's own idempotency key. A second publish of batch k (a lease
+start, the verifier rolling a dead pipeline's batch forward, a zombie lease waking up) finds the table's version for
+the pipeline at k or past it and commits nothing; two publishers racing lose to one another in Delta's conflict
+check (same application id), and the loser then finds it done. Data files no commit names (a batch that crashed
+before its registry commit) are never read; ``photon table maintain`` vacuums them.
+
+Every row carries its ``batch``, so a batch's rows are found by value in the table after compaction rewrote its
+files. A process that forks after using ``deltalake`` must not use it in the child (its runtime is not fork-safe):
+the joiner's Spark tasks write Parquet only and never import it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from photon.durable import write_durably
+from photon.logs.schemas import (
+    JOINED,
+    JOINED_SCHEMA,
+    QUARANTINE,
+    QUARANTINE_SCHEMA,
+    UNJOINABLE,
+    UNJOINABLE_SCHEMA,
+)
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+    from deltalake import DeltaTable
+
+PARTITION = "hour"
+BATCH = "batch"
+# The rows as the tasks build them (EVENTS.md); a table's schema adds ``batch`` and the partition column.
+ROW_SCHEMAS = {JOINED: JOINED_SCHEMA, UNJOINABLE: UNJOINABLE_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
+TIME_COLUMN = {JOINED: "click_ts_us", UNJOINABLE: "click_ts_us", QUARANTINE: "decided_at_us"}
+ADDS = "_adds"  # under a batch's stage folder: per data file written, what its Delta add action needs
+US = 1_000_000
+
+
+def table_schema(kind: str) -> pa.Schema:
+    """The Delta table's schema: the rows' columns, then ``batch`` and ``hour``."""
+    return ROW_SCHEMAS[kind].append(pa.field(BATCH, pa.int64())).append(pa.field(PARTITION, pa.string()))
+
+
+def app_id(pipeline: str) -> str:
+    """The Delta application id a pipeline's batches commit under: its txn version is its last published batch."""
+    return f"photon/{pipeline}"
+
+
+def hour_of(ts_us: int) -> str:
+    """The ``hour`` partition value of a time: ``YYYYmmddHH``, UTC (as the ``_final/`` markers name hours)."""
+    return time.strftime("%Y%m%d%H", time.gmtime(ts_us // US))
+
+
+class OutputTableError(ValueError):
+    """``--out`` holds something that is not this project's output table (an old folder layout, another table):
+    refused, never mixed into. The message is one line."""
+
+
+# -- Writing: the tasks, before the registry commit ------------------------------------------------------------
+
+
+def stage_rows(root: Path, kind: str, stage: Path, name: str, rows: pa.Table, batch: int) -> int:
+    """Write ``rows`` (``ROW_SCHEMAS[kind]``) of batch ``batch`` as data files of the pipeline's ``kind`` table under
+    ``root`` (``<out>/<pipeline>``), one file per hour, named ``<name>-<hour>.parquet``; record each file's add
+    action under ``<stage>/_adds/``. Invisible to readers until ``publish_batch``. A retried task writes the same
+    names again, whole (``write_durably``). Returns the rows written."""
+    if rows.num_rows == 0:
+        return 0
+    rows = rows.select(ROW_SCHEMAS[kind].names).cast(ROW_SCHEMAS[kind])
+    rows = rows.append_column(BATCH, pa.array([batch] * rows.num_rows, pa.int64()))
+    secs = pc.divide(rows.column(TIME_COLUMN[kind]), pa.scalar(US, pa.int64()))
+    hours = pc.strftime(pc.cast(pc.multiply(secs, pa.scalar(US, pa.int64())), pa.timestamp("us", "UTC")), "%Y%m%d%H")
+    adds = []
+    for hour in sorted(pc.unique(hours).to_pylist()):
+        part = rows.filter(pc.equal(hours, hour))
+        rel = f"{PARTITION}={hour}/{name}-{hour}.parquet"
+        path = root / kind / rel
+        write_durably(path, partial(pq.write_table, part))
+        adds.append({"path": rel, "size": path.stat().st_size, "hour": hour, "stats": _stats(part)})
+    record = json.dumps({"kind": kind, "files": adds}).encode()
+    write_durably(stage / ADDS / f"{kind}-{name}.json", partial(_write_bytes, record))
+    return rows.num_rows
+
+
+def _write_bytes(data: bytes, fh: BinaryIO) -> None:
+    fh.write(data)
+
+
+def _stats(rows: pa.Table) -> str:
+    """Delta file statistics: the row count, and min, max and null count of the integer columns and ``click_id``
+    (what data skipping and a reader's count use; the text columns' bounds would only lengthen the log)."""
+    lo: dict[str, Any] = {}
+    hi: dict[str, Any] = {}
+    nulls: dict[str, int] = {}
+    for field in rows.schema:
+        if pa.types.is_integer(field.type) or field.name == "click_id":
+            col = rows.column(field.name)
+            mm = pc.min_max(col)
+            if mm["min"].is_valid:
+                lo[field.name], hi[field.name] = mm["min"].as_py(), mm["max"].as_py()
+            nulls[field.name] = col.null_count
+    return json.dumps({"numRecords": rows.num_rows, "minValues": lo, "maxValues": hi, "nullCount": nulls})
+
+
+def staged_adds(stage: Path) -> dict[str, list[dict[str, Any]]]:
+    """Per kind, the add actions a batch's tasks recorded under its stage folder (empty if none: nothing staged, or
+    the stage already removed after its publish)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    folder = stage / ADDS
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.json")):
+            entry = json.loads(path.read_text())
+            found.setdefault(entry["kind"], []).extend(entry["files"])
+    return found
+
+
+def staged_rows(stage: Path, kind: str) -> int:
+    """Rows of ``kind`` a batch's tasks staged (from their records: no data file is read)."""
+    return sum(json.loads(a["stats"])["numRecords"] for a in staged_adds(stage).get(kind, []))
+
+
+# -- Publishing: the driver, after the fenced registry commit ---------------------------------------------------
+
+
+def open_table(root: Path, kind: str) -> DeltaTable:
+    """The pipeline's ``kind`` table, created if there is none yet; refused (``OutputTableError``) if its folder
+    holds something else."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    where = root / kind
+    try:
+        table = DeltaTable(str(where))
+    except TableNotFoundError:
+        _refuse_foreign(where)
+        try:
+            return DeltaTable.create(
+                str(where), table_schema(kind), partition_by=[PARTITION], mode="ignore", name=f"photon {kind}"
+            )
+        except Exception as exc:  # a racing creator: the table is there now, or the error is real
+            try:
+                table = DeltaTable(str(where))
+            except TableNotFoundError:
+                raise exc from None
+    check_schema(table, kind, where)
+    return table
+
+
+# The tables a process publishes to, kept open: a table opened anew replays its log from the last checkpoint at
+# every batch (up to about 200 ms a batch once thousands of commits pile up); an open one reads only the commits
+# since it last looked (``update_incremental`` before every decision).
+_PUBLISHING: dict[tuple[str, int], DeltaTable] = {}
+
+
+def _publisher_table(root: Path, kind: str) -> DeltaTable:
+    key = (str(root / kind), os.getpid())  # never a table another process opened (deltalake is not fork-safe)
+    table = _PUBLISHING.get(key)
+    if table is None:
+        table = _PUBLISHING[key] = open_table(root, kind)
+    return table
+
+
+def _refuse_foreign(where: Path) -> None:
+    """A folder that is not a Delta table may hold only a batch's data files not yet committed (``hour=*/`` with
+    Parquet inside, and temporary files): never an old layout's Parquet files beside."""
+    if not where.exists():
+        return
+    if not where.is_dir():
+        raise OutputTableError(f"{where} is a file, not an output table: choose another --out")
+    strays = [p.name for p in where.iterdir() if not (p.is_dir() and p.name.startswith(f"{PARTITION}="))]
+    strays = [n for n in strays if not n.startswith(".")]
+    if strays:
+        raise OutputTableError(
+            f"{where} is not a Delta table but holds {', '.join(sorted(strays)[:3])}"
+            f"{' ...' if len(strays) > 3 else ''} (an output folder of an older version of this project?): "
+            "refused, nothing written; use an empty --out"
+        )
+
+
+def check_schema(table: DeltaTable, kind: str, where: Path) -> None:
+    """Refuse a Delta table that is not this project's ``kind`` table (its columns or partitioning differ)."""
+    have = [f.name for f in table.schema().fields]
+    if have != table_schema(kind).names or table.metadata().partition_columns != [PARTITION]:
+        raise OutputTableError(
+            f"{where} is a Delta table but not photon's {kind} table (columns {have}, partitioned by "
+            f"{table.metadata().partition_columns}): refused, nothing written; use another --out"
+        )
+
+
+def ensure_tables(root: Path) -> None:
+    """Create the pipeline's three tables under ``root`` if missing; refuse (``OutputTableError``, one line) an
+    ``--out`` whose pipeline folder holds anything else there: an old folder layout, another table."""
+    for kind in (JOINED, UNJOINABLE, QUARANTINE):
+        open_table(root, kind)
+
+
+def published_batch(root: Path, kind: str) -> int | None:
+    """The pipeline's last batch committed to its ``kind`` table (its Delta txn version), None if none."""
+    from deltalake import DeltaTable
+
+    where = root / kind
+    if not DeltaTable.is_deltatable(str(where)):
+        return None
+    return DeltaTable(str(where)).transaction_version(app_id(root.name))
+
+
+def publish_batch(
+    root: Path, pipeline: str, batch: int, stage: Path, committed: Callable[[str], None] | None = None
+) -> dict[str, str]:
+    """Commit batch ``batch``'s staged data files (their adds under ``stage``) to the pipeline's tables, one Delta
+    commit per table carrying ``txn(photon/<pipeline>, batch)``. Idempotent and safe beside other publishers of the
+    same batch. Per kind: "committed", "already" (the table holds the batch or a later one) or "none" (nothing
+    staged). ``committed(kind)`` is called after each commit (the tests' crash points)."""
+    from deltalake import CommitProperties, Transaction
+    from deltalake.exceptions import CommitFailedError
+    from deltalake.transaction import AddAction, RemoveAction
+
+    adds = staged_adds(stage)
+    done: dict[str, str] = {}
+    for kind in (JOINED, UNJOINABLE, QUARANTINE):
+        table = _publisher_table(root, kind)
+        files = adds.get(kind, [])
+        if not files:
+            done[kind] = "none"
+            continue
+        now_ms = int(time.time() * 1000)
+        actions: list[AddAction | RemoveAction] = [
+            AddAction(a["path"], a["size"], {PARTITION: a["hour"]}, now_ms, True, a["stats"]) for a in files
+        ]
+        props = CommitProperties(
+            app_transactions=[Transaction(app_id(pipeline), batch)],
+            custom_metadata={"photon.pipeline": pipeline, "photon.batch": batch},
+        )
+        while True:
+            table.update_incremental()
+            have = table.transaction_version(app_id(pipeline))
+            if have is not None and have >= batch:
+                done[kind] = "already"
+                break
+            try:
+                table.create_write_transaction(
+                    actions, "append", table_schema(kind), [PARTITION], commit_properties=props
+                )
+                done[kind] = "committed"
+                if committed is not None:
+                    committed(kind)
+                break
+            except CommitFailedError:
+                continue  # another publisher committed first: read the table again and see what it holds
+    return done
+
+
+def append_rows(root: Path, kind: str, rows: pa.Table, batch: int) -> None:
+    """Commit ``rows`` to the pipeline's ``kind`` table as batch ``batch`` in one call, the way a batch reaches it
+    (data files, then one commit under the batch's txn): for benchmarks and tools that make output without Spark."""
+    stage = root / "_staging" / f"append-{new_name(kind)}"
+    stage_rows(root, kind, stage, f"b{batch:010d}-{kind}", rows, batch)
+    publish_batch(root, root.name, batch, stage)
+    for path in sorted((stage / ADDS).glob("*.json")):
+        path.unlink()
+    for folder in (stage / ADDS, stage):
+        folder.rmdir()
+
+
+# -- Reading: every reader of the output ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputTable:
+    """One pipeline's table of one kind, at one snapshot."""
+
+    pipeline: str
+    kind: str
+    path: Path
+
+    def table(self) -> DeltaTable:
+        from deltalake import DeltaTable
+
+        return DeltaTable(str(self.path))
+
+    def dataset(self) -> ds.Dataset:
+        """The snapshot as an Arrow dataset: only committed files, partitions and file statistics pruned by filters."""
+        return self.table().to_pyarrow_dataset()
+
+
+def pipelines(out: Path) -> list[str]:
+    """The pipelines with output under ``out``: folders not starting with ``_`` or ``.`` that hold a table."""
+    from deltalake import DeltaTable
+
+    if not out.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.is_dir()
+        and p.name[0] not in "_."
+        and any(DeltaTable.is_deltatable(str(p / kind)) for kind in (JOINED, UNJOINABLE, QUARANTINE))
+    )
+
+
+def tables(out: Path, kind: str, only: Iterable[str] | None = None) -> Iterator[OutputTable]:
+    """Every pipeline's ``kind`` table under ``out`` (or those of ``only``) that exists."""
+    from deltalake import DeltaTable
+
+    for name in only if only is not None else pipelines(out):
+        path = out / name / kind
+        if DeltaTable.is_deltatable(str(path)):
+            yield OutputTable(name, kind, path)
+
+
+def read(
+    out: Path,
+    kind: str,
+    columns: list[str] | None = None,
+    where: ds.Expression | None = None,
+    only: Iterable[str] | None = None,
+    with_pipeline_folder: bool = False,
+) -> pa.Table:
+    """``columns`` of every pipeline's committed ``kind`` rows under ``out`` that match ``where``, one table (with a
+    ``folder`` column naming the pipeline's folder if asked)."""
+    cols = columns or table_schema(kind).names
+    parts = []
+    for t in tables(out, kind, only):
+        part = t.dataset().to_table(columns=cols, filter=where)
+        if with_pipeline_folder:
+            part = part.append_column("folder", pa.array([t.pipeline] * part.num_rows, pa.string()))
+        parts.append(part)
+    if not parts:
+        empty = pa.schema([table_schema(kind).field(c) for c in cols])
+        if with_pipeline_folder:
+            empty = empty.append(pa.field("folder", pa.string()))
+        return empty.empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def hour_filter(kind: str, start_us: int, end_us: int) -> ds.Expression:
+    """Rows of ``kind`` whose time is in ``[start_us, end_us)``, with the partition bound that prunes whole hours."""
+    import pyarrow.dataset as ds
+
+    col = TIME_COLUMN[kind]
+    first, last = hour_of(start_us), hour_of(max(start_us, end_us - 1))
+    return (
+        (ds.field(PARTITION) >= first)
+        & (ds.field(PARTITION) <= last)
+        & (ds.field(col) >= start_us)
+        & (ds.field(col) < end_us)
+    )
+
+
+def new_name(prefix: str) -> str:
+    """A data file name no other writer uses (compaction and maintenance outputs)."""
+    return f"{prefix}-{uuid.uuid4().hex}-{os.getpid()}"

@@ -1,0 +1,382 @@
+"""Output table maintenance (``photon table maintain``, the DAG ``photon_table_maintenance``): per pipeline and kind,
+compact each hour's small files, write a checkpoint, drop expired log files, and vacuum the data files no commit
+names once they are older than the retention. Safe beside live pipelines and backfills appending to the same tables,
+and beside another maintenance run.
+
+Why it is safe:
+
+- Compaction is a Delta rewrite with ``dataChange = false``: it commits the same rows in fewer files and carries no
+  application transaction, so ``transaction_version("photon/<pipeline>")`` (the pipeline's last published batch) is
+  unchanged, and readers find a batch's rows by their ``batch`` value wherever they now live. It races with the
+  publishers' appends in Delta's conflict check: an append adds files and removes none, so both commit (delta-rs
+  retries the loser against the winner); two compactions of one hour conflict, and the loser tries again or leaves
+  the hour to the next run. Except that delta-rs (1.6.6) lets two compactions of the same files both commit,
+  each adding its own copy of the rows: so maintenance runs hold a lock per pipeline (``LOCK``), and after each
+  compaction check that the hour still holds as many rows of the published batches as before
+  (``TableInvariantError`` if not). Nothing else may compact these tables.
+- A batch's data files exist before its commit (``photon.logs.tables``: written by its tasks before the registry
+  commit, committed by ``publish_batch`` after). A file no commit names may therefore still be committed later, so
+  vacuum never deletes one younger than the retention (at least ``MIN_RETENTION_HOURS``, far longer than any batch),
+  nor, however old, one that a stage folder (``<out>/<pipeline>/_staging/*``) still names: a batch committed to the
+  registry but not yet published (a pipeline that died before publishing, rolled forward days later).
+- Files a compaction replaced stay on disk for the retention (a reader holding an older snapshot still reads them),
+  as Delta's vacuum keeps unexpired tombstones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from photon.logs import tables
+from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+KINDS = (JOINED, UNJOINABLE, QUARANTINE)
+DEFAULT_RETENTION_HOURS = 168  # Delta's own default (delta.deletedFileRetentionDuration)
+# Below this a data file a batch staged but has not committed yet could be vacuumed (a registry outage stalls a
+# batch between its tasks' writes and its commit): refused unless forced.
+MIN_RETENTION_HOURS = 24
+TARGET_FILE_BYTES = 100 * 2**20  # Delta's default target for compaction (delta.targetFileSize)
+COMPACT_ATTEMPTS = 5  # per hour, against another compaction of the same hour; then it waits for the next run
+LOG = "_delta_log"
+LOCK = ".maintenance.lock"  # <out>/<pipeline>/.maintenance.lock: held while a run maintains the pipeline's tables
+log = logging.getLogger(__name__)
+
+
+class MaintenanceError(ValueError):
+    """Bad input to maintenance (no such pipeline, a retention below the minimum): one line, nothing changed."""
+
+
+class TableInvariantError(RuntimeError):
+    """Maintenance found a table in a state it must never reach: a pipeline's published batch went back, or a
+    compaction changed the rows of published batches."""
+
+
+@dataclass
+class TableFacts:
+    """A table's size and history at one moment: what maintenance changes, before and after."""
+
+    version: int  # the latest commit's version (commits = version + 1)
+    files: int  # data files the snapshot names
+    bytes: int  # their size
+    rows: int
+    files_on_disk: int  # data files in the folder: those named, plus replaced and never-committed ones
+    bytes_on_disk: int
+    log_files: int  # commit files in _delta_log
+    commits_since_checkpoint: int  # commit files a reader opening the table reads after its checkpoint
+    published_batch: int | None  # transaction_version("photon/<pipeline>")
+
+
+@dataclass
+class TableReport:
+    pipeline: str
+    kind: str
+    before: TableFacts
+    after: TableFacts
+    hours_compacted: list[str] = field(default_factory=list)
+    files_compacted: int = 0  # small files a compaction replaced
+    files_written: int = 0
+    hours_left: list[str] = field(default_factory=list)  # lost to another compaction COMPACT_ATTEMPTS times
+    checkpoint: int | None = None
+    vacuumed: list[str] = field(default_factory=list)  # paths relative to the table
+    vacuumed_bytes: int = 0
+    spared: int = 0  # old files no commit names that a stage folder still names (a batch not yet published)
+    seconds: float = 0.0
+
+
+@dataclass
+class MaintenanceReport:
+    out: str
+    retention_hours: int
+    dry_run: bool
+    tables: list[TableReport]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "tables": len(self.tables),
+            "files_before": sum(t.before.files for t in self.tables),
+            "files_after": sum(t.after.files for t in self.tables),
+            "files_compacted": sum(t.files_compacted for t in self.tables),
+            "vacuumed": sum(len(t.vacuumed) for t in self.tables),
+            "vacuumed_bytes": sum(t.vacuumed_bytes for t in self.tables),
+            "spared": sum(t.spared for t in self.tables),
+        }
+
+
+def check_retention(retention_hours: int, force: bool) -> None:
+    if retention_hours < 0:
+        raise MaintenanceError(f"--retention-hours {retention_hours}: a retention is 0 hours or more")
+    if retention_hours < MIN_RETENTION_HOURS and not force:
+        raise MaintenanceError(
+            f"--retention-hours {retention_hours} is below the minimum of {MIN_RETENTION_HOURS} h: a batch writes its "
+            "data files before its commit, and a shorter retention could vacuum them; nothing was changed (--force "
+            "accepts it, only with no pipeline or backfill writing to these tables)"
+        )
+
+
+def maintain(
+    out: Path,
+    pipelines: Iterable[str] | None = None,
+    retention_hours: int = DEFAULT_RETENTION_HOURS,
+    dry_run: bool = False,
+    force: bool = False,
+    target_bytes: int = TARGET_FILE_BYTES,
+) -> MaintenanceReport:
+    """Maintain every table of ``pipelines`` (default: every pipeline) under ``out`` (``maintain_table``). With
+    ``dry_run`` report what would be compacted and vacuumed and change nothing."""
+    check_retention(retention_hours, force)
+    if not out.is_dir():
+        raise MaintenanceError(f"--out {out} is not a folder")
+    names = sorted(set(pipelines)) if pipelines else tables.pipelines(out)
+    have = set(tables.pipelines(out))
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise MaintenanceError(f"no output table for pipeline {', '.join(missing)} under {out}; nothing was changed")
+    start = time.monotonic()
+    reports = []
+    for name in names:
+        with pipeline_lock(out / name):
+            reports += [maintain_table(t, retention_hours, dry_run, target_bytes) for t in _kinds(out, name)]
+    return MaintenanceReport(str(out), retention_hours, dry_run, reports, time.monotonic() - start)
+
+
+def _kinds(out: Path, name: str) -> list[tables.OutputTable]:
+    return [t for kind in KINDS for t in tables.tables(out, kind, [name])]
+
+
+@contextlib.contextmanager
+def pipeline_lock(root: Path) -> Iterator[None]:
+    """Held while a run maintains the pipeline's tables at ``root``: a second run waits (two compactions of the same
+    files would both commit in delta-rs, each with a copy of the rows). Publishers never take it."""
+    with open(root / LOCK, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("table maintenance: waiting for another run maintaining %s", root)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def maintain_table(
+    t: tables.OutputTable, retention_hours: int, dry_run: bool = False, target_bytes: int = TARGET_FILE_BYTES
+) -> TableReport:
+    """Maintain one pipeline's table of one kind, in four steps, each safe beside publishers appending:
+
+    1. Compact: each hour partition holding two or more files under ``target_bytes`` is rewritten into fewer files,
+       one commit per hour (``dataChange = false``, no application transaction). delta-rs puts it after the
+       appends that won the race to commit; a commit it cannot reconcile (``CommitFailedError``) is tried again on
+       the newer snapshot, up to ``COMPACT_ATTEMPTS`` times, then the hour waits for the next run. After each, the
+       hour must hold as many rows of the published batches as before (``TableInvariantError`` if not).
+    2. Checkpoint at the newest version: a reader opening the table reads it and the few commits after it instead
+       of every commit since the last automatic checkpoint.
+    3. Drop log files older than the log retention (``delta.logRetentionDuration``, 30 days) that the checkpoint
+       makes unnecessary.
+    4. Vacuum (``vacuum_unreferenced``): data files no commit names, older than the retention, and not named by a
+       stage folder; and files compactions replaced longer than the retention ago.
+
+    Paranoid check: the pipeline's published batch (its txn version) after is the one before or later (a publisher
+    may commit meanwhile), never earlier, never gone."""
+    from deltalake.exceptions import CommitFailedError
+
+    start = time.monotonic()
+    dt = t.table()
+    before = table_facts(t, dt)
+    report = TableReport(t.pipeline, t.kind, before, before)
+    # Step 1: compact, hour by hour.
+    for hour in _hours_to_compact(dt, target_bytes):
+        if dry_run:
+            report.hours_compacted.append(hour)
+            continue
+        published = dt.transaction_version(tables.app_id(t.pipeline))
+        rows_before = _published_rows(dt, hour, published)
+        for _ in range(COMPACT_ATTEMPTS):
+            try:
+                metrics = dt.optimize.compact(
+                    partition_filters=[(tables.PARTITION, "=", hour)],
+                    target_size=target_bytes,
+                    commit_properties=_props("compact"),
+                )
+            except CommitFailedError:  # lost to a concurrent commit delta-rs could not reconcile: try again
+                dt.update_incremental()
+                continue
+            if metrics["numFilesRemoved"]:
+                _check_rows(t, dt, hour, published, rows_before)
+                report.hours_compacted.append(hour)
+                report.files_compacted += int(metrics["numFilesRemoved"])
+                report.files_written += int(metrics["numFilesAdded"])
+            break
+        else:
+            report.hours_left.append(hour)
+    if not dry_run:
+        # Steps 2 and 3: checkpoint the newest version, then drop the log files it made unnecessary.
+        dt.update_incremental()
+        dt.create_checkpoint()
+        report.checkpoint = dt.version()
+        dt.cleanup_metadata()
+    # Step 4: vacuum.
+    report.vacuumed, report.vacuumed_bytes, report.spared = vacuum_unreferenced(t, retention_hours, dry_run)
+    report.after = table_facts(t, t.table())
+    if before.published_batch is not None and (
+        report.after.published_batch is None or report.after.published_batch < before.published_batch
+    ):
+        raise TableInvariantError(
+            f"{t.path}: the published batch of {t.pipeline} went from {before.published_batch} to "
+            f"{report.after.published_batch} during maintenance"
+        )
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def vacuum_unreferenced(
+    t: tables.OutputTable, retention_hours: int, dry_run: bool = False
+) -> tuple[list[str], int, int]:
+    """Delete the table's data files that no commit names and that are older than ``retention_hours``, and the files
+    compactions replaced longer ago than that; never one a stage folder of the pipeline still names. Returns the
+    paths deleted (or, with ``dry_run``, to delete), their bytes, and how many old files were spared for a stage.
+
+    delta-rs lists the candidates (a full vacuum's dry run); the deletion is done here, after two checks its own
+    vacuum cannot make, in this order (the order is the argument):
+
+    1. Candidates: files the snapshot loaded now does not name, older than the retention, or replaced longer ago.
+    2. Spared: every path a stage folder names. A batch committed to the registry but not yet published can be
+       published later, however old its files; ``publish`` removes a stage folder only after its Delta commit.
+    3. Named now: the table's newest snapshot. A batch published since step 1 names its files there: its stage
+       folder was either still there at step 2 or gone, and then its commit came before step 3.
+    4. Delete the candidates that are neither spared nor named now."""
+    table = t.table()
+    # Step 1: candidates. Our own retention check ran before (check_retention); delta-rs' would refuse under 168 h.
+    candidates = table.vacuum(
+        retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=True
+    )
+    if not candidates:
+        return [], 0, 0
+    # Step 2: spared.
+    staged = staged_paths(t.path.parent, t.kind)
+    # Step 3: named by the newest snapshot.
+    table.update_incremental()
+    named = set(_relative_paths(table))
+    # Step 4: delete.
+    doomed = sorted(p for p in candidates if p not in staged and p not in named)
+    spared = sum(1 for p in candidates if p in staged and p not in named)
+    size = 0
+    for rel in doomed:
+        path = t.path / rel
+        with contextlib.suppress(FileNotFoundError):  # another maintenance run took it first
+            size += path.stat().st_size
+            if not dry_run:
+                path.unlink()
+    return doomed, size, spared
+
+
+def staged_paths(root: Path, kind: str) -> set[str]:
+    """Paths (relative to the ``kind`` table) of the data files every stage folder of the pipeline at ``root``
+    names: batches not published yet, committed to the registry or not."""
+    found: set[str] = set()
+    staging = root / "_staging"
+    if staging.is_dir():
+        for stage in staging.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # published and removed meanwhile: in the snapshot then
+                found.update(a["path"] for a in tables.staged_adds(stage).get(kind, []))
+    return found
+
+
+def table_facts(t: tables.OutputTable, dt: DeltaTable | None = None) -> TableFacts:
+    """The table's size and history now (``TableFacts``)."""
+    dt = dt or t.table()
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    on_disk = [
+        p for p in t.path.rglob("*.parquet") if LOG not in p.relative_to(t.path).parts and not p.name.startswith(".")
+    ]
+    sizes = [_size(p) for p in on_disk]
+    log = t.path / LOG
+    commits = sorted(int(p.name.split(".")[0]) for p in log.glob("*.json"))
+    checkpoint = max((int(p.name.split(".")[0]) for p in log.glob("*.checkpoint*.parquet")), default=-1)
+    return TableFacts(
+        version=dt.version(),
+        files=adds.num_rows,
+        bytes=int(pc.sum(adds["size_bytes"]).as_py() or 0),
+        rows=int(pc.sum(adds["num_records"]).as_py() or 0),
+        files_on_disk=len(on_disk),
+        bytes_on_disk=sum(sizes),
+        log_files=len(commits),
+        commits_since_checkpoint=sum(1 for v in commits if v > checkpoint),
+        published_batch=dt.transaction_version(tables.app_id(t.pipeline)),
+    )
+
+
+def _hours_to_compact(dt: DeltaTable, target_bytes: int) -> list[str]:
+    """The hours with two or more data files under the target size: what a compaction would rewrite."""
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    small = adds.filter(pc.less(adds["size_bytes"], target_bytes))
+    counts = small.group_by(f"partition.{tables.PARTITION}").aggregate([("path", "count")])
+    return sorted(
+        h for h, n in zip(counts[0].to_pylist(), counts["path_count"].to_pylist(), strict=True) if n >= 2 and h
+    )
+
+
+def _published_rows(dt: DeltaTable, hour: str, published: int | None) -> int:
+    """Rows of ``hour`` from batches up to ``published``: a publisher only adds later batches, so a compaction must
+    leave this count as it was."""
+    import pyarrow.dataset as ds
+
+    if published is None:
+        return 0
+    where = (ds.field(tables.PARTITION) == hour) & (ds.field(tables.BATCH) <= published)
+    return int(dt.to_pyarrow_dataset().count_rows(filter=where))
+
+
+def _check_rows(t: tables.OutputTable, dt: DeltaTable, hour: str, published: int | None, before: int) -> None:
+    dt.update_incremental()
+    after = _published_rows(dt, hour, published)
+    if after != before:
+        raise TableInvariantError(
+            f"{t.path}: compacting hour {hour} changed the rows of batches up to {published} from {before} to {after} "
+            f"(version {dt.version()}); another process compacting this table? Stop it, restore the version before"
+        )
+
+
+def _relative_paths(dt: DeltaTable) -> list[str]:
+    return pa.table(dt.get_add_actions(flatten=True))["path"].to_pylist()
+
+
+def _props(action: str) -> Any:
+    from deltalake import CommitProperties
+
+    return CommitProperties(custom_metadata={"photon.maintenance": action})
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # vacuumed by another run while this one counted
+        return 0
+
+
+def format_bytes(n: float) -> str:
+    """A size a person reads: 1,234 B, 12.3 KB, 4.5 MB, 6.7 GB."""
+    if n < 1000:
+        return f"{n:,.0f} B"
+    for unit in ("KB", "MB"):
+        n /= 1000
+        if n < 1000:
+            return f"{n:,.1f} {unit}"
+    return f"{n / 1000:,.1f} GB"

@@ -1,0 +1,183 @@
+"""The output tables are exactly once for every reader, at every snapshot: a batch is committed to a table once, keyed
+by its Delta application transaction ``txn(photon/<pipeline>, batch)``, whoever publishes it and however many at once
+(the lease that committed it, a lease start rolling it forward, the verifier, a zombie lease waking up). Checked
+here by reading the tables with deltalake directly, not through photon's readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from photon.logs.schemas import UNJOINABLE_SCHEMA
+from photon.logs.tables import OutputTableError, ensure_tables, stage_rows
+from photon.registry.admin import init_registry, status
+from tests.integration.test_join_signals import ROOT, five_seconds_of_logs, join, lease_holder
+
+pytestmark = pytest.mark.integration
+US = 1_000_000
+
+# One publisher, as a lease start and the verifier's roll-forward call it, started at an agreed instant.
+PUBLISHER = """
+import sys, time
+from pathlib import Path
+from photon.joiner.publish import publish_files
+root, pipeline, first, last, epoch, at = sys.argv[1:]
+for batch in range(int(first), int(last) + 1):
+    time.sleep(max(0.0, float(at) + (batch - int(first)) * 0.25 - time.time()))
+    print(batch, publish_files(Path(root), pipeline, batch, int(epoch))["unjoinable"], flush=True)
+"""
+
+
+def _commits_per_batch(path: Path) -> Counter[int]:
+    """How many commits of the table carry each batch's transaction (its custom metadata names the batch)."""
+    found: Counter[int] = Counter()
+    for entry in sorted((path / "_delta_log").glob("*.json")):
+        for line in entry.read_text().splitlines():
+            action = json.loads(line)
+            if "txn" in action:
+                found[int(action["txn"]["version"])] += 1
+    return found
+
+
+def _stage(root: Path, batch: int, rows: int) -> None:
+    """Stage batch ``batch`` (epoch 1) as its tasks would: unjoinable rows spread over two hours."""
+    ts = 1_764_300_000 * US + batch * 1800 * US
+    table = pa.table(
+        {
+            "click_id": [f"b{batch}-c{i}" for i in range(rows)],
+            "query_id": [f"q{i}" for i in range(rows)],
+            "ad_id": ["a"] * rows,
+            "click_ts_us": [ts + i * 100 * US for i in range(rows)],
+            "decided_at_us": [ts] * rows,
+            "pipeline": ["dc-a"] * rows,
+            "reason": ["test"] * rows,
+        },
+        schema=UNJOINABLE_SCHEMA,
+    )
+    stage_rows(root, "unjoinable", root / "_staging" / f"b{batch:010d}-e1", f"b{batch:010d}-e1-p0000", table, batch)
+
+
+def test_three_processes_publishing_the_same_batches_at_once_commit_each_once(tmp_path: Path) -> None:
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    batches = 12
+    for k in range(1, batches + 1):
+        _stage(root, k, 50)
+    at = time.time() + 3  # every process imports first, then all start together
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    args = [str(root), "dc-a", "1", str(batches), "1", str(at)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PUBLISHER, *args], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outcomes = [p.communicate(timeout=300)[0].split("\n") for p in procs]
+    assert all(p.returncode == 0 for p in procs), outcomes
+    won = Counter(line.split()[0] for out in outcomes for line in out if line.endswith("committed"))
+    assert sorted(won.values()) == [1] * batches, won  # each batch committed by exactly one of them
+    table = DeltaTable(str(root / "unjoinable"))
+    ids = table.to_pyarrow_table(columns=["click_id", "batch"])
+    assert ids.num_rows == len(set(ids.column("click_id").to_pylist())) == batches * 50
+    assert table.transaction_version("photon/dc-a") == batches
+    assert _commits_per_batch(root / "unjoinable") == Counter(dict.fromkeys(range(1, batches + 1), 1))
+
+    # A zombie waking up with batch 3's stage (restored here: its files are still in place) commits nothing.
+    _stage(root, 3, 50)
+    out = subprocess.run(
+        [sys.executable, "-c", PUBLISHER, str(root), "dc-a", "3", "3", "1", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["3", "already"], out.stdout + out.stderr
+    assert DeltaTable(str(root / "unjoinable")).to_pyarrow_table(columns=["click_id"]).num_rows == batches * 50
+
+
+def test_a_batch_committed_but_not_published_is_published_once_by_two_leases_and_the_verifier_at_once(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
+    dsn = make_db()
+    five_seconds_of_logs(dsn, tmp_path)
+    joiner = login_as(dsn, "photon_joiner")
+    # The driver dies between the registry commit of batch 1 and its table commit.
+    p = join(tmp_path, joiner, "--run-for", "120", crash_at="after_commit@1")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == -9, out
+    assert lease_holder(dsn)[1] == 1
+    staged = list((tmp_path / "out" / "dc-a" / "joined").rglob("*.parquet"))
+    assert staged and DeltaTable(str(tmp_path / "out" / "dc-a" / "joined")).version() == 0  # written, not committed
+
+    # Two lease processes and the verifier at once: each may roll batch 1 forward.
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}",
+        "PHOTON_REGISTRY_DSN": login_as(dsn, "photon_verifier"),
+    }
+    env.pop("PHOTON_CRASH_AT", None)
+    verify = [
+        sys.executable,
+        "-m",
+        "photon",
+        "verify",
+        "--logs",
+        str(tmp_path / "logs"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    procs = [join(tmp_path, joiner, "--until-caught-up", "--drain") for _ in range(2)]
+    procs.append(subprocess.Popen([*verify, "--grace", "0"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True))
+    outs = [q.communicate(timeout=300)[0] for q in procs]
+    assert [q.returncode for q in procs[:2]].count(0) >= 1, outs
+
+    joined = tmp_path / "out" / "dc-a" / "joined"
+    table = DeltaTable(str(joined))
+    ids = table.to_pyarrow_table(columns=["click_id"]).column("click_id").to_pylist()
+    registered = sum(sh["rows"] for cfg in status({"main": dsn})["configs"] for sh in cfg["shards"])
+    assert len(ids) == len(set(ids)), "a click twice in the joined table"
+    assert Counter(_commits_per_batch(joined).values()) == {1: len(_commits_per_batch(joined))}
+    assert 1 in _commits_per_batch(joined)
+    assert len(ids) <= registered
+
+
+def test_an_out_holding_an_old_folder_layout_or_another_table_is_refused_in_one_line(
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+) -> None:
+    old = tmp_path / "old" / "dc-a" / "joined"
+    old.mkdir(parents=True)
+    (old / "b0000000001-e1-p0000.parquet").write_bytes(b"PAR1")
+    with pytest.raises(OutputTableError, match=r"not a Delta table but holds b0000000001-e1-p0000\.parquet"):
+        ensure_tables(tmp_path / "old" / "dc-a")
+    assert sorted(p.name for p in old.iterdir()) == ["b0000000001-e1-p0000.parquet"]  # untouched
+
+    other = tmp_path / "other" / "dc-a"
+    DeltaTable.create(str(other / "joined"), pa.schema([("x", pa.int64())]))
+    with pytest.raises(OutputTableError, match="a Delta table but not photon's joined table"):
+        ensure_tables(other)
+
+    # The command line says it in one line and exits non-zero, before any lease is taken.
+    dsn = make_db()
+    init_registry({"main": dsn}, num_shards=1)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}",
+        "PHOTON_REGISTRY_DSN": login_as(dsn, "photon_joiner"),
+    }
+    logs = tmp_path / "logs" / "dc-a" / "clicks"
+    logs.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(tmp_path / "logs")]
+    res = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "old"), "--run-for", "1"], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode != 0 and "not a Delta table" in res.stderr, res.stdout + res.stderr
+    assert not any("Traceback" in line for line in lines), res.stderr
