@@ -4,11 +4,13 @@ another role)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from photon.registry.admin import init_registry
 from photon.registry.cluster import LocalCluster
+from tests.integration.spark_server import free_port, spark_connect_server
 
 
 @pytest.fixture
@@ -30,3 +32,15 @@ def registry_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
     finally:
         if cluster.state:  # not when up() failed before writing any state (no binaries, say)
             cluster.down()
+
+
+@pytest.fixture(scope="session")
+def warm_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The PHOTON_HOME of a warm `photon spark-connect` server, one per test process, for the tests that start many
+    short `photon join --connect` processes (a lease after each SIGKILL, say), as Airflow's tasks run on the
+    deployment's server: each process then pays a gRPC session and its Python workers' imports, not a JVM and a
+    SparkContext of its own (four to five Spark starts made each such test take 4-5x its time alone under the suite's
+    load). The kill is still a kill of the whole joiner process; tests of a process's own Spark keep `--master`."""
+    where = tmp_path_factory.mktemp("spark-connect")
+    with spark_connect_server(where / "home", where / "spark-connect.log", free_port()):
+        yield where / "home"

@@ -131,11 +131,12 @@ def test_replayed_input_and_restarts_add_nothing(tmp_path: Path, servers: dict[s
     "crash_points", [["after_register@2", "before_commit@3", "after_commit@3", "after_register@5"]]
 )
 def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
-    tmp_path: Path, servers: dict[str, str], crash_points: list[str]
+    tmp_path: Path, servers: dict[str, str], crash_points: list[str], warm_spark: Path
 ) -> None:
     logs = make_logs(tmp_path / "logs", seconds=10)
     out = tmp_path / "out"
     env = {**os.environ, "PHOTON_REGISTRY_DSN": servers["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env["PHOTON_HOME"] = str(warm_spark)  # each lease a process of its own on the warm server, as under Airflow
     cmd = [
         sys.executable,
         "-m",
@@ -151,8 +152,7 @@ def test_sigkilled_joiner_restarted_loses_and_duplicates_nothing(
         "--drain",
         "--trigger-interval",
         "0.1",
-        "--master",
-        "local[2]",
+        "--connect",
     ]
     # Small batches, so the crash points fall inside the run.
     env["PHOTON_TEST_MAX_CLICK_FILES"] = "4"

@@ -20,7 +20,8 @@ import pytest
 from photon.pg import autocommit
 from photon.tools.audit import audit
 from tests.integration import output
-from tests.integration.test_airflow_local import free_port, outside_address, refused
+from tests.integration.spark_server import free_port, spark_connect_server
+from tests.integration.test_airflow_local import outside_address, refused
 from tests.integration.test_joiner import ROOT, joined_ids, make_logs, registered_under
 
 
@@ -32,32 +33,9 @@ def photon(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.
 
 @pytest.fixture
 def connect_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, int, Path]]:
-    home, port = tmp_path / "home", free_port()
-    log = tmp_path / "spark-connect.log"
-    env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "photon", "spark-connect", "--port", str(port), "--master", "local[2]"],
-        env=env,
-        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while "warm, up in" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+    home, port, log = tmp_path / "home", free_port(), tmp_path / "spark-connect.log"
+    with spark_connect_server(home, log, port) as proc:
         yield proc, home, port, log
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-                proc.kill()
 
 
 def test_a_join_on_the_warm_server_writes_what_a_join_of_its_own_writes(
@@ -159,13 +137,13 @@ def test_a_connect_join_killed_mid_batch_and_rerun_joins_each_click_once(
     tmp_path: Path,
     servers: dict[str, str],
     pg_admin_dsn: str,
-    connect_server: tuple[subprocess.Popen[str], Path, int, Path],
+    warm_spark: Path,
 ) -> None:
     """A Spark Connect client that dies leaves its job running on the server (an orphan, still registering under
     the batch's token and writing its staged files) while the next process re-runs that batch: killed right after
     a batch registered (the crash point), then killed while a batch's job runs, then run to the end. Each click is
     joined once and none is lost, and every id registered under the pipeline is in its output."""
-    _, home, _, _ = connect_server
+    home = warm_spark  # the test process's server, which other tests use before and after this one
     logs = make_logs(tmp_path / "logs", seconds=10)
     out = tmp_path / "out"
     env = os.environ | {"PHOTON_HOME": str(home), "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}

@@ -46,7 +46,7 @@ def joined_ids(out: Path) -> list[str]:
 
 
 def test_killed_joiner_losses_are_found_and_recovered(
-    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
+    tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str], warm_spark: Path
 ) -> None:
     dsn = make_db()
     init_registry({"main": dsn}, num_shards=4)
@@ -57,9 +57,9 @@ def test_killed_joiner_losses_are_found_and_recovered(
     generate(settings, logs, start_us=start, end_us=start + 12 * US)
     joiner = login_as(dsn, "photon_joiner")
     env = {**os.environ, "PHOTON_REGISTRY_DSN": joiner, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
-    env["PHOTON_TEST_MAX_CLICK_FILES"] = "4"
+    env |= {"PHOTON_TEST_MAX_CLICK_FILES": "4", "PHOTON_HOME": str(warm_spark)}  # leases on the warm server
     cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
-    cmd += ["--until-caught-up", "--drain", "--trigger-interval", "0.1", "--master", "local[2]"]
+    cmd += ["--until-caught-up", "--drain", "--trigger-interval", "0.1", "--connect"]
     clicks = logs / "dc-a" / "clicks"
     for i, batch in enumerate((2, 3, 5)):
         proc = subprocess.run(

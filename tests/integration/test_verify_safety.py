@@ -147,7 +147,7 @@ def test_a_batch_committed_while_the_verifier_runs_is_never_duplicated(
 
 @pytest.mark.parametrize("crash", ["after_register", "after_commit"])
 def test_the_surviving_data_center_finishes_the_work_of_a_lost_one(
-    tmp_path: Path, roles: Roles, spark: Any, crash: str
+    tmp_path: Path, roles: Roles, spark: Any, crash: str, warm_spark: Path
 ) -> None:
     """dc-a's joiner process is killed in batch 2 (after registering, or after committing but before publishing) and
     never comes back. dc-b's pre-filter drops the clicks dc-a holds; the verifier, as its own role, fences dc-a or
@@ -157,7 +157,8 @@ def test_the_surviving_data_center_finishes_the_work_of_a_lost_one(
     env = {**os.environ, "PHOTON_REGISTRY_DSN": roles.joiner["main"], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     env |= {"PHOTON_TEST_MAX_CLICK_FILES": "4", "PHOTON_CRASH_AT": f"{crash}@2"}
     cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", str(logs), "--out", str(out)]
-    cmd += ["--until-caught-up", "--trigger-interval", "0.1", "--master", "local[1]"]
+    cmd += ["--until-caught-up", "--trigger-interval", "0.1", "--connect"]
+    env["PHOTON_HOME"] = str(warm_spark)  # its lease on the warm server, as under Airflow
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
     Joiner("dc-b", logs, out, roles.joiner, spark, SETTINGS).run(until_caught_up=True, drain=True)

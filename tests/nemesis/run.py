@@ -227,6 +227,7 @@ class Failover:
 # What `photon join` prints once a batch is committed ("dc-a batch 3: 120 clicks, ..."), not its lease's first line
 # ("dc-a: lease epoch 2, resuming after batch 0").
 _BATCH_LINE = re.compile(rb"^\S+ batch \d+: ", re.MULTILINE)
+_LEASE_LINE = re.compile(rb"^\S+: lease epoch \d+, ", re.MULTILINE)
 
 
 def ran_a_batch(log: Path) -> bool:
@@ -316,6 +317,7 @@ class Nemesis:
         # (a second kill used to replace the first, so the schedule printed more kills than the summary counted).
         self.kill_queue: dict[str, list[float]] = {dc: [] for dc in DCS}
         self.first_batch_at: dict[str, float | None] = dict.fromkeys(DCS)
+        self.idle_lease: set[str] = set()  # leases a kill is due on from their lease, not a batch (_note_first_batch)
         self.lease_log: dict[str, Path] = {}
         self.lost: set[str] = set()
         self.dying: dict[str, str] = {}  # a lost data center's last lease, until it dies at its crash point
@@ -589,6 +591,7 @@ class Nemesis:
             self.outcome.faults["publishing_drawn"] += 1
         self.joiners[dc] = self.lease(dc, crash_at=crash_at, clock_s=clock_s)
         self.lease_log[dc], self.first_batch_at[dc] = self.last_log, None
+        self.idle_lease.discard(dc)
         if clock_s:
             self.skewed[dc] = clock_s
             self.outcome.faults["clock"] += 1
@@ -623,6 +626,20 @@ class Nemesis:
         else:
             self.joiners[dc] = self.lease(dc, crash_at=self.dying[dc])
 
+    def _note_first_batch(self, dc: str, now: float, *, input_stopped: bool) -> None:
+        """When the running lease of ``dc`` ran its first batch, which a pending kill counts its delay from. Once the
+        input has stopped while no kill has landed, its taking the lease counts instead: a lease with nothing left to
+        join runs no batch, and on a loaded machine (CI: three test workers' Spark starts) every lease of the input's
+        75 s can end before a drawn kill is due, so the kill lands on a lease holder waiting for input."""
+        if self.first_batch_at[dc] is not None:
+            return
+        log = self.lease_log[dc].read_bytes()
+        if _BATCH_LINE.search(log) is not None:
+            self.first_batch_at[dc] = now
+        elif input_stopped and not self.outcome.faults["kill"] and _LEASE_LINE.search(log) is not None:
+            self.first_batch_at[dc] = now
+            self.idle_lease.add(dc)
+
     def _kill_if_due(self, dc: str, proc: subprocess.Popen[bytes], now: float) -> bool:
         """The pending kill of ``dc`` lands once its delay has passed since the running lease's first batch; the next
         one queued for it then waits for a later lease's first batch."""
@@ -634,6 +651,8 @@ class Nemesis:
             self.kill_pending[dc] = self.kill_queue[dc].pop(0)
         self.sigkill(proc)
         self.outcome.faults["kill"] += 1
+        if dc in self.idle_lease:
+            self.outcome.faults["kill_idle"] += 1  # a lease holder waiting for input, not one mid-batch
         return True
 
     def _drop_kills(self, dc: str) -> None:
@@ -711,9 +730,7 @@ class Nemesis:
                     # Airflow starts the next lease (or retries a dead one)
                     self._start_lease(dc, self.next_clock.pop(dc, 0.0))
                     continue
-                first = self.first_batch_at[dc]
-                if first is None and ran_a_batch(self.lease_log[dc]):
-                    self.first_batch_at[dc] = first = now
+                self._note_first_batch(dc, now, input_stopped=input_done is not None)
                 self._kill_if_due(dc, proc, now)
             while faults and faults[0].at_s <= now:
                 self._apply(faults.pop(0), now)

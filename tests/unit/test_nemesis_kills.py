@@ -53,3 +53,27 @@ def test_the_work_folder_goes_once_the_run_passed(tmp_path: Path) -> None:
         (work / "logs").mkdir(parents=True)
         assert keep_work(work, owned=owned, keep=keep, ok=ok) is kept
         assert work.exists() is kept
+
+
+def test_once_the_input_stopped_an_owed_kill_lands_on_a_lease_holder_that_runs_no_batch(tmp_path: Path) -> None:
+    """CI: on a loaded machine every lease of a 75 s seed's input ended before its kill was due, and once the input
+    had stopped the leases, with nothing to join, ran no batch: the kill waited out the owed time and never landed."""
+    n = Nemesis(plan(seed=1, seconds=300), tmp_path)
+    n._apply(Fault(10.0, "kill", "dc-a"), 10.0)
+    log = tmp_path / "lease.log"
+    log.write_text("dc-a: lease epoch 3, resuming after batch 7 (reading from the beginning of the logs)\n")
+    proc = _lease()
+    n.joiners["dc-a"], n.lease_log["dc-a"] = proc, log
+    n._note_first_batch("dc-a", 20.0, input_stopped=False)  # while input flows, a kill waits for a batch
+    assert n.first_batch_at["dc-a"] is None and not n._kill_if_due("dc-a", proc, 40.0)
+    n._note_first_batch("dc-a", 50.0, input_stopped=True)
+    assert n._kill_if_due("dc-a", proc, 57.0) and proc.wait(timeout=10) < 0
+    assert n.outcome.faults["kill"] == n.outcome.faults["kill_idle"] == 1
+    # Once a kill has landed, a later one waits for a batch again.
+    n._apply(Fault(60.0, "kill", "dc-a"), 60.0)
+    again = _lease()
+    n.joiners["dc-a"], n.first_batch_at["dc-a"] = again, None
+    n._note_first_batch("dc-a", 61.0, input_stopped=True)
+    assert n.first_batch_at["dc-a"] is None and not n._kill_if_due("dc-a", again, 90.0)
+    again.kill()
+    again.wait()
