@@ -14,8 +14,9 @@ For any file content and either kind of log:
 
 The normal suite runs each file property on 1,500 examples and each single-function one on 1,000 (the size-limit one
 on a few, they are megabytes each), derandomized and without an example database, so CI is reproducible; at 3,000
-they took 309 s of a worker in a 30-minute suite on 2 cores, and the deep search is `make fuzz`'s. ``make fuzz`` selects the ``fuzz`` profile
-(``HYPOTHESIS_PROFILE=fuzz``): 500,000 random examples per property (``FUZZ_EXAMPLES`` to change it).
+they took 309 s of a worker in a 30-minute suite on 2 cores, and the deep search is `make fuzz`'s. ``make fuzz``
+selects the ``fuzz`` profile (``HYPOTHESIS_PROFILE=fuzz``): 500,000 random examples per property (``FUZZ_EXAMPLES``
+to change it).
 """
 
 from __future__ import annotations
