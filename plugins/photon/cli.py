@@ -26,6 +26,11 @@ cluster_app = typer.Typer(
 registry_app.add_typer(cluster_app, name="cluster")
 table_app = typer.Typer(help="The output tables: maintenance.", no_args_is_help=True)
 app.add_typer(table_app, name="table")
+storage_app = typer.Typer(
+    help="The local S3 server (SeaweedFS, 127.0.0.1 only) for trying object storage: up, down, status.",
+    no_args_is_help=True,
+)
+app.add_typer(storage_app, name="storage")
 # Soft wrap: a message longer than the terminal is still one line (the terminal folds it on screen). Without it, rich
 # breaks lines at the width, 80 columns when output is not a terminal: each batch line of a join task came out as two
 # Airflow log records, and so did the demo's.
@@ -733,6 +738,71 @@ class _Stopper:
             signal.signal(s, handler)
 
 
+StorageFolder = Annotated[
+    Path | None, typer.Option("--folder", help="The server's folder (data, key, log); default PHOTON_HOME/storage.")
+]
+
+
+def _storage_folder(folder: Path | None) -> Path:
+    return folder if folder is not None else load_settings().home / "storage"
+
+
+@storage_app.command("up")
+def storage_up(
+    bucket: Annotated[
+        list[str] | None, typer.Option(help="A bucket to create (repeatable; kept if it exists).")
+    ] = None,
+    folder: StorageFolder = None,
+) -> None:
+    """Start the local S3 server (or find it running) and create the buckets; its clients' AWS variables go to
+    env.sh in its folder (mode 600): `source` it, the key is never printed."""
+    from photon.tools.storage_server import env_file, start
+
+    server = start(_storage_folder(folder), tuple(bucket or ()))
+    console.print(
+        f"local S3 server at {server.endpoint} (pid {server.pid}); for its clients: source {env_file(server.folder)}"
+    )
+
+
+@storage_app.command("down")
+def storage_down(
+    folder: StorageFolder = None,
+    hard: Annotated[bool, typer.Option("--hard", help="SIGKILL at once, as a crash would.")] = False,
+) -> None:
+    """Stop the local S3 server; its data stays in its folder for the next `photon storage up`."""
+    from photon.tools.storage_server import stop
+
+    where = _storage_folder(folder)
+    console.print(
+        f"local S3 server of {where} stopped" if stop(where, hard=hard) else f"no local S3 server runs for {where}"
+    )
+
+
+@storage_app.command("status")
+def storage_status(
+    folder: StorageFolder = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Whether the local S3 server runs, where and since which pid (exit 1 if it does not)."""
+    from photon.tools.storage_server import running
+
+    where = _storage_folder(folder)
+    server = running(where)
+    info: dict[str, Any] = {"running": server is not None, "folder": str(where)}
+    if server is not None:
+        info |= {"pid": server.pid, "endpoint": server.endpoint, "env_file": str(where / "env.sh")}
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+    elif server is None:
+        console.print(f"no local S3 server runs for {where} (photon storage up starts one)")
+    else:
+        console.print(
+            f"local S3 server at {server.endpoint} (pid {server.pid}); for its clients: source {where / 'env.sh'}"
+        )
+    if server is None:
+        raise typer.Exit(1)
+
+
 @app.command("spark-connect")
 def spark_connect_cmd(
     port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 15002,
@@ -1214,7 +1284,9 @@ def main() -> None:
         from photon.registry.clock import ClockSkewError
         from photon.registry.cluster import ClusterError
         from photon.registry.migrations import MigrationError
+        from photon.storage import StorageError
         from photon.tools.spark_connect import NoServerError
+        from photon.tools.storage_server import StorageServerError
 
         if not isinstance(
             exc,
@@ -1227,6 +1299,8 @@ def main() -> None:
             | ClockSkewError
             | ClusterError
             | NoServerError
+            | StorageError
+            | StorageServerError
             | ValueError,
         ):
             raise

@@ -230,3 +230,77 @@ def test_ranges_past_the_end_folders_and_odd_keys_answer_alike_on_both(bucket: s
             store.child("..")
         answers.append(said)
     assert answers[0] == answers[1] == [[b"llo", b""], [b"", b"llo"], None, None, None, True]
+
+
+def test_photon_storage_up_status_down_keeps_the_key_off_the_terminal_and_the_data_across_restarts(
+    tmp_path: Path,
+) -> None:
+    """`photon storage up|status|down` as a user runs them: the AWS variables reach a shell only through env.sh (mode
+    600), never stdout or stderr; an object written through them is there after a stop and a new start (the second
+    start reuses the key); status says whether the server runs (exit 1 when not); errors are one line."""
+    folder = tmp_path / "storage"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PYTHONPATH"] = f"{ROOT / 'plugins'}:{ROOT}"
+
+    def photon(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "photon", "storage", *args, "--folder", str(folder)]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+    try:
+        up = photon("up", "--bucket", "clicks", "--bucket", "joined")
+        assert up.returncode == 0, up.stdout + up.stderr
+        env_sh = folder / "env.sh"
+        assert f"source {env_sh}" in " ".join(up.stdout.split()) and env_sh.stat().st_mode & 0o777 == 0o600
+        shell = subprocess.run(
+            ["bash", "-c", f"source {env_sh} && env"], env=env, capture_output=True, text=True, check=True
+        )
+        aws = dict(line.split("=", 1) for line in shell.stdout.splitlines() if line.startswith("AWS_"))
+        assert set(aws) >= {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
+        assert aws["AWS_SECRET_ACCESS_KEY"] not in up.stdout + up.stderr
+        status = photon("status", "--json")
+        info = json.loads(status.stdout)
+        assert status.returncode == 0 and info["running"] and info["endpoint"] == aws["AWS_ENDPOINT_URL"], info
+        assert aws["AWS_SECRET_ACCESS_KEY"] not in status.stdout + status.stderr
+
+        write = "from photon.storage import open_store; open_store('s3://joined/p').put('a/b.txt', b'kept')"
+        subprocess.run([sys.executable, "-c", write], env=env | aws, check=True, timeout=60)
+        down = photon("down")
+        assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
+        gone = photon("status")
+        assert gone.returncode == 1 and "no local S3 server runs" in gone.stdout, gone.stdout + gone.stderr
+        assert photon("down").returncode == 0  # stopping a stopped server says so and is not an error
+
+        again = photon("up")
+        assert again.returncode == 0, again.stdout + again.stderr
+        aws2 = dict(
+            line.split("=", 1)
+            for line in subprocess.run(
+                ["bash", "-c", f"source {env_sh} && env"], env=env, capture_output=True, text=True, check=True
+            ).stdout.splitlines()
+            if line.startswith("AWS_")
+        )
+        assert aws2["AWS_SECRET_ACCESS_KEY"] == aws["AWS_SECRET_ACCESS_KEY"]  # the same key after a restart
+        read = "from photon.storage import open_store; print(open_store('s3://joined/p').get('a/b.txt').decode())"
+        got = subprocess.run([sys.executable, "-c", read], env=env | aws2, capture_output=True, text=True, timeout=60)
+        assert got.stdout.strip() == "kept", got.stdout + got.stderr
+        bad = photon("up", "--bucket", "X")  # not a bucket name S3 accepts
+        lines = [line for line in bad.stderr.splitlines() if line.strip()]
+        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), bad.stdout + bad.stderr
+    finally:
+        storage_server.stop(folder, hard=True)
+
+
+def test_a_server_json_naming_a_dead_zombie_or_other_process_is_no_running_server(tmp_path: Path) -> None:
+    """Where nobody reaps the server once `photon storage up` exited (this sandbox's init does not), it stayed a
+    zombie after `down`: status said it ran, and every `down` waited out its 10 s grace. A pid given to another
+    process since is not the server either."""
+    zombie = subprocess.Popen(["true"])
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        pass
+    info = {"endpoint": "http://127.0.0.1:1", "ports": {}}
+    for pid, created in ((zombie.pid, None), (os.getpid(), 0.0)):
+        (tmp_path / "server.json").write_text(json.dumps(info | {"pid": pid, "created": created}))
+        assert storage_server.running(tmp_path) is None, pid
+    zombie.wait()
+    (tmp_path / "server.json").write_text(json.dumps(info | {"pid": os.getpid()}))  # written before "created"
+    assert storage_server.running(tmp_path) is not None

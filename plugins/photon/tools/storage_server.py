@@ -6,14 +6,17 @@ write fsynced before it is acknowledged (``-filer.fsync`` is not a flag of ``wee
 for the ``/buckets/`` prefix, ``fs.configure -fsync``, applied after the start).
 
 The folder holds ``data/``, ``s3.json`` (the identity), ``server.json`` (pid, endpoint, ports) and ``server.log``.
-A client gets the endpoint and the key from ``client_env(folder)``: the standard AWS variables."""
+A client gets the endpoint and the key from ``client_env(folder)``: the standard AWS variables; a shell from
+``env.sh`` (mode 600, written at each start: the key stays off command lines and terminals)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -25,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
+
+import psutil
 
 from photon.durable import secret_file
 
@@ -111,15 +116,21 @@ def client_env(folder: Path) -> dict[str, str]:
     }
 
 
+def env_file(folder: Path) -> Path:
+    """``env.sh`` in the folder (mode 600): ``export`` lines of ``client_env``, for ``source`` in a shell."""
+    path = folder / "env.sh"
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in client_env(folder).items()]
+    secret_file(path, lambda: "\n".join(lines), replace=True)
+    return path
+
+
 def running(folder: Path) -> Server | None:
     """The server this folder's ``server.json`` names, if its process is alive."""
     try:
         info = json.loads((folder / "server.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    try:
-        os.kill(int(info["pid"]), 0)
-    except (ProcessLookupError, PermissionError):
+    if not _alive(int(info["pid"]), info.get("created")):
         return None
     return Server(folder, int(info["pid"]), str(info["endpoint"]), dict(info["ports"]))
 
@@ -171,8 +182,9 @@ def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
             raise StorageServerError(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
         time.sleep(0.2)
     server = Server(folder, proc.pid, endpoint, ports)
-    info = {"pid": proc.pid, "endpoint": endpoint, "ports": ports}
+    info = {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "endpoint": endpoint, "ports": ports}
     (folder / "server.json").write_text(json.dumps(info))
+    env_file(folder)
     _fsync_buckets(server)
     for b in buckets:
         create_bucket(server, b)
@@ -200,7 +212,16 @@ def _fsync_buckets(server: Server) -> None:
         time.sleep(0.5)
 
 
+# S3's rule for a bucket name (without its rarer exclusions): what AWS takes, SeaweedFS takes too.
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
 def create_bucket(server: Server, bucket: str) -> None:
+    if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        raise StorageServerError(
+            f"bucket name {bucket!r}: 3-63 characters of a-z, 0-9, '.' and '-', starting and ending with a letter or "
+            "digit (S3's rule)"
+        )
     import obstore
     from obstore.store import S3Store
 
@@ -217,18 +238,26 @@ def create_bucket(server: Server, bucket: str) -> None:
         raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}")
 
 
+def _alive(pid: int, created: float | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not: where nobody reaps the server once `photon storage up` has exited,
+    it stays one after its exit), and is the process started at ``created`` (not another one given its pid since)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (created is None or abs(proc.create_time() - created) < 1.0)
+    except psutil.Error:
+        return False
+
+
 def _kill(pid: int, grace_s: float = STOP_GRACE_S) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return
+        if not _alive(pid):
+            return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
