@@ -747,6 +747,15 @@ def _storage_folder(folder: Path | None) -> Path:
     return folder if folder is not None else load_settings().home / "storage"
 
 
+def _shown(path: Path) -> str:
+    """A path as a shell takes it (quoted) and rich prints it (its brackets not read as markup)."""
+    import shlex
+
+    from rich.markup import escape
+
+    return escape(shlex.quote(str(path)))
+
+
 @storage_app.command("up")
 def storage_up(
     bucket: Annotated[
@@ -760,7 +769,8 @@ def storage_up(
 
     server = start(_storage_folder(folder), tuple(bucket or ()))
     console.print(
-        f"local S3 server at {server.endpoint} (pid {server.pid}); for its clients: source {env_file(server.folder)}"
+        f"local S3 server at {server.endpoint} (pid {server.pid}); "
+        f"for its clients: source {_shown(env_file(server.folder))}"
     )
 
 
@@ -774,7 +784,9 @@ def storage_down(
 
     where = _storage_folder(folder)
     console.print(
-        f"local S3 server of {where} stopped" if stop(where, hard=hard) else f"no local S3 server runs for {where}"
+        f"local S3 server of {_shown(where)} stopped"
+        if stop(where, hard=hard)
+        else f"no local S3 server runs for {_shown(where)}"
     )
 
 
@@ -794,10 +806,11 @@ def storage_status(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
     elif server is None:
-        console.print(f"no local S3 server runs for {where} (photon storage up starts one)")
+        console.print(f"no local S3 server runs for {_shown(where)} (photon storage up starts one)")
     else:
         console.print(
-            f"local S3 server at {server.endpoint} (pid {server.pid}); for its clients: source {where / 'env.sh'}"
+            f"local S3 server at {server.endpoint} (pid {server.pid}); "
+            f"for its clients: source {_shown(where / 'env.sh')}"
         )
     if server is None:
         raise typer.Exit(1)

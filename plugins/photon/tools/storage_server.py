@@ -12,6 +12,7 @@ A client gets the endpoint and the key from ``client_env(folder)``: the standard
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -128,11 +129,11 @@ def running(folder: Path) -> Server | None:
     """The server this folder's ``server.json`` names, if its process is alive."""
     try:
         info = json.loads((folder / "server.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        pid, created = int(info["pid"]), float(info["created"])  # no start time: not provably the server
+        server = Server(folder, pid, str(info["endpoint"]), dict(info["ports"]))
+    except (OSError, ValueError, TypeError, KeyError):
         return None
-    if not _alive(int(info["pid"]), info.get("created")):
-        return None
-    return Server(folder, int(info["pid"]), str(info["endpoint"]), dict(info["ports"]))
+    return server if _alive(pid, created) else None
 
 
 def _answers(endpoint: str) -> bool:
@@ -146,13 +147,24 @@ def _answers(endpoint: str) -> bool:
 
 
 def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
-    """Start the server for ``folder`` (or return the one running), with ``buckets`` created."""
+    """Start the server for ``folder`` (or return the one running), with ``buckets`` created. Two starts at once on
+    one folder take turns (the second finds the first's server); the server is named in ``server.json`` before it
+    answers, so an interrupted start leaves nothing that ``stop`` cannot find, and a start that fails stops it."""
     folder = folder.resolve()
-    found = running(folder)
-    if found is not None:
+    for b in buckets:
+        check_bucket_name(b)  # before anything starts
+    if "," in str(folder):
+        raise StorageServerError(f"{folder}: weed reads a comma in its -dir as a list of folders; choose another")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        server = running(folder) or _start(folder)
         for b in buckets:
-            create_bucket(found, b)
-        return found
+            create_bucket(server, b)
+        return server
+
+
+def _start(folder: Path) -> Server:
     (folder / "data").mkdir(parents=True, exist_ok=True)
     key, secret = _credentials(folder)
     identity = {
@@ -174,20 +186,22 @@ def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
     log = open(folder / "server.log", "ab")  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _answers(endpoint):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _kill(proc.pid)
-            tail = (folder / "server.log").read_text(errors="replace")[-2000:]
-            raise StorageServerError(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
-        time.sleep(0.2)
-    server = Server(folder, proc.pid, endpoint, ports)
     info = {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "endpoint": endpoint, "ports": ports}
     (folder / "server.json").write_text(json.dumps(info))
-    env_file(folder)
-    _fsync_buckets(server)
-    for b in buckets:
-        create_bucket(server, b)
+    server = Server(folder, proc.pid, endpoint, ports)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _answers(endpoint):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (folder / "server.log").read_text(errors="replace")[-2000:]
+                raise StorageServerError(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
+            time.sleep(0.2)
+        env_file(folder)
+        _fsync_buckets(server)
+    except BaseException:  # a failed or interrupted start (Ctrl-C) leaves no server behind
+        _kill(proc.pid, 0.0)
+        (folder / "server.json").unlink(missing_ok=True)
+        raise
     return server
 
 
@@ -216,12 +230,16 @@ def _fsync_buckets(server: Server) -> None:
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
-def create_bucket(server: Server, bucket: str) -> None:
+def check_bucket_name(bucket: str) -> None:
     if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
         raise StorageServerError(
             f"bucket name {bucket!r}: 3-63 characters of a-z, 0-9, '.' and '-', starting and ending with a letter or "
             "digit (S3's rule)"
         )
+
+
+def create_bucket(server: Server, bucket: str) -> None:
+    check_bucket_name(bucket)
     import obstore
     from obstore.store import S3Store
 
