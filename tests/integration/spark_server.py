@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,10 @@ from pathlib import Path
 
 import psutil
 
+from photon.registry.cluster import _free_port as free_port  # the tests' one free-port helper
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ROOT", "free_port", "spark_connect_server"]
 
 
 @contextlib.contextmanager

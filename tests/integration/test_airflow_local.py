@@ -36,17 +36,12 @@ from photon.airflow.standalone import default_parallelism, registry_connection
 from photon.pg import autocommit, drop_database
 from photon.registry.admin import init_registry
 from photon.tools.audit import audit
+from tests.integration.spark_server import free_port
 from tests.readme_blocks import block_after
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 WILDCARD = {"0.0.0.0", "::", ""}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def photon_env(home: Path, **extra: str) -> dict[str, str]:

@@ -177,23 +177,25 @@ def test_a_retention_below_the_minimum_is_refused_in_one_line(tmp_path: Path) ->
     assert json.loads(r.stdout)["tables"][0]["files_compacted"] == 6
 
 
+def maintain_process(out: Path) -> subprocess.Popen[str]:
+    """`photon table maintain --json` over ``out``, a process of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "photon", "table", "maintain", "--out", str(out), "--json"],
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_two_maintenance_runs_at_once_keep_every_row_once(tmp_path: Path) -> None:
     """Two runs, each a process of its own, compacting the same hours at once. Without the lock (``LOCK``) delta-rs
     committed both compactions and the table held every row twice (3 times out of 3 here)."""
     out = tmp_path / "out"
     for rnd in range(3):
         publish(out / "dc-a", range(rnd * 60 + 1, rnd * 60 + 61), n=3)
-        runs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "photon", "table", "maintain", "--out", str(out), "--json"],
-                env=env(),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(2)
-        ]
+        runs = [maintain_process(out) for _ in range(2)]
         reports = [p.communicate(timeout=300) for p in runs]
         assert [p.returncode for p in runs] == [0, 0], reports
         compacted = [json.loads(o)["tables"][0]["files_compacted"] for o, _ in reports]
@@ -283,17 +285,7 @@ def test_maintenance_killed_and_racing_two_publishing_pipelines_loses_and_duplic
             if killed >= 2 and len(reports) >= 4 and all(appended_after_compaction(out, dc) for dc in pipelines):
                 break
             assert all(p.poll() is None for p in publishers), [p.stderr.read() for p in publishers if p.stderr]
-            runs = [
-                subprocess.Popen(
-                    [sys.executable, "-m", "photon", "table", "maintain", "--out", str(out), "--json"],
-                    env=env(),
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for _ in range(2)
-            ]
+            runs = [maintain_process(out) for _ in range(2)]
             if rng.random() < 0.4:  # killed wherever it is: importing, waiting for the lock, compacting, vacuuming
                 time.sleep(rng.uniform(0.5, 4.0))
                 runs[0].kill()
