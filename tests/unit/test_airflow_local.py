@@ -344,3 +344,18 @@ def test_a_stop_reports_each_killed_lease_in_one_quiet_line() -> None:
     )
     assert task_line(sending, stopping=True) is None
     assert task_line(BATCH_LINE, stopping=True) == task_line(BATCH_LINE)  # a batch that ends during the stop shows
+
+
+def test_a_task_waits_for_a_busy_api_server_longer_than_airflows_default(tmp_path: Path) -> None:
+    """A task's supervisor calls the API server to start and to report; Airflow waits 5 s a try, and a busy API
+    server (the first parse, the Spark Connect warm-up, a loaded machine) made the first task fail before it ran. The
+    deployment waits 30 s, in airflow.cfg and the components' environment; a caller's own value wins."""
+    from photon.airflow.standalone import EXECUTION_API_TIMEOUT_S
+
+    d = deployment(tmp_path)
+    assert EXECUTION_API_TIMEOUT_S >= 30
+    assert d.options()["workers"]["execution_api_timeout"] == str(EXECUTION_API_TIMEOUT_S)
+    env = d.environment({"PATH": "/usr/bin"})
+    assert env["AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT"] == str(EXECUTION_API_TIMEOUT_S)
+    asked = d.environment({"PATH": "/usr/bin", "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90"})
+    assert asked["AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT"] == "90"

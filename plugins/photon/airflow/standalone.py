@@ -89,6 +89,11 @@ QUIET_WARNINGS = (
     "ignore:GitWildMatchPattern:DeprecationWarning",
 )
 QUIET_STATS_INTERVAL_S = 300  # the DAG processor's table of files parsed (Airflow's default: every 30 s)
+# How long a task's supervisor waits for the API server to answer a call (Airflow's default: 5 s, retried 5 times).
+# The first task's first call timed out even on a quiet machine (the API server busy beside the DAG processor's
+# first parse and the Spark Connect warm-up); under load (CI: 3 test workers on 2 cores) every try did, the task
+# failed before it ran, and the scheduler logged "task state changed externally". A caller's setting wins.
+EXECUTION_API_TIMEOUT_S = 30
 SETTLE_S = 2.0  # the ready line waits for this long a silence of the components' output...
 SETTLE_MAX_S = 15.0  # ... but no longer than this after the API server first answers
 
@@ -218,6 +223,7 @@ class LocalAirflow:
             "database": {"sql_alchemy_conn": self.metadata_url},
             "api": {"host": self.host, "port": str(self.port), "secret_key": self.api_secret_key()},
             "api_auth": {"jwt_secret": self.jwt_secret()},
+            "workers": {"execution_api_timeout": str(EXECUTION_API_TIMEOUT_S)},
             **self.logging_options(),
         }
         for section, values in self.log_server_options().items():
@@ -256,6 +262,9 @@ class LocalAirflow:
             for section, values in self.options().items()
             for key, value in values.items()
         }
+        timeout = "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT"
+        if base.get(timeout):
+            env[timeout] = base[timeout]
         levels = "AIRFLOW__LOGGING__NAMESPACE_LEVELS"
         if base.get(levels) and levels in env and env[levels] != base[levels]:
             env[levels] = f"{env[levels]} {base[levels]}"  # the caller's levels after ours: theirs win
