@@ -191,3 +191,52 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = ranked[len(slow) :]
     dealt = [x for pair in zip(slow, rest, strict=False) for x in pair]
     items[:] = dealt + slow[len(dealt) // 2 :] + rest[len(dealt) // 2 :]
+
+
+# `make test PYTEST_ARGS=...` with PHOTON_TEST_CPU=<file>: each test's CPU seconds (this process, the processes it
+# started and waited for, and those still running: a session's Spark or PostgreSQL counts for the test it ran for)
+# appended to <file> as "cpu<TAB>machine<TAB>wall<TAB>nodeid". On 2 cores shared by three workers, CPU is what the suite's wall
+# time is made of: --durations shows how long a test waited, this what it cost the others.
+_CPU_LOG = os.environ.get("PHOTON_TEST_CPU")
+
+
+def _cpu_now() -> tuple[float, dict[tuple[int, float], float]]:
+    import resource
+
+    import psutil
+
+    own = sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
+    live: dict[tuple[int, float], float] = {}
+    for proc in psutil.Process().children(recursive=True):
+        with __import__("contextlib").suppress(psutil.Error):
+            t = proc.cpu_times()
+            live[(proc.pid, proc.create_time())] = t.user + t.system
+    return own, live
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    import time
+
+    import psutil
+
+    own0, live0 = _cpu_now()
+    t0, all0 = time.monotonic(), psutil.cpu_times()
+    yield
+    own1, live1 = _cpu_now()
+    all1 = psutil.cpu_times()
+    # The whole machine's busy seconds too: in a run of one worker, what the test cost, orphans included.
+    machine = sum(getattr(all1, f) - getattr(all0, f) for f in ("user", "system", "nice", "irq", "softirq"))
+    # A process alive at both ends: what it used meanwhile; started since: all of it; ended since (and reaped into
+    # RUSAGE_CHILDREN with its whole life): less what it had used before the test.
+    live = sum(cpu - live0.get(key, 0.0) for key, cpu in live1.items())
+    ended = sum(cpu for key, cpu in live0.items() if key not in live1)
+    with open(_CPU_LOG, "a") as f:
+        f.write(f"{own1 - own0 + live - ended:.1f}\t{machine:.1f}\t{time.monotonic() - t0:.1f}\t{item.nodeid}\n")
