@@ -193,10 +193,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = dealt + slow[len(dealt) // 2 :] + rest[len(dealt) // 2 :]
 
 
-# `make test PYTEST_ARGS=...` with PHOTON_TEST_CPU=<file>: each test's CPU seconds (this process, the processes it
-# started and waited for, and those still running: a session's Spark or PostgreSQL counts for the test it ran for)
-# appended to <file> as "cpu<TAB>machine<TAB>wall<TAB>nodeid". On 2 cores shared by three workers, CPU is what the suite's wall
-# time is made of: --durations shows how long a test waited, this what it cost the others.
+# `make test` with PHOTON_TEST_CPU=<file>: each test's CPU seconds (this process, the processes it started and waited
+# for, and those still running: a session's Spark counts for the test it ran for), the whole machine's busy seconds
+# meanwhile, and its wall time, appended to <file> as "cpu<TAB>machine<TAB>wall<TAB>nodeid". On 2 cores shared by
+# three workers, CPU is what the suite's wall time is made of: --durations shows how long a test waited, this what
+# it cost the others. (A daemon, like the embedded PostgreSQL, or an orphan is outside the tree: in a run of one
+# worker, the machine's column counts them.)
 _CPU_LOG = os.environ.get("PHOTON_TEST_CPU")
 
 
