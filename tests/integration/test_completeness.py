@@ -163,7 +163,8 @@ def test_an_hour_is_final_once_every_click_of_it_is_decided(
 
     # The marker: written once; a later decision leaves the first declaration as it is.
     path, marker = write_marker(out, d)
-    assert path == marker_path(out, start, end) and path.name == f"{hour.replace('-', '').replace('T', '')}.json"
+    name = f"{hour.replace('-', '').replace('T', '')}.json"
+    assert path == marker_path(out, start, end) == str(out / "_final" / name)
     assert marker["final"] and marker["start_us"] == start and marker["input_clicks"] == d.input_clicks
     again = decide()
     assert again.decided_at_us > d.decided_at_us

@@ -347,3 +347,41 @@ def test_an_interrupted_start_two_starts_at_once_and_a_bad_bucket_leave_no_serve
         assert len(pids) == 1 and storage_server.running(folder) is not None, results  # one server, found by both
     finally:
         storage_server.stop(folder, hard=True)
+
+
+MARKER_RACE = """
+import json, sys
+from photon.tools.completeness import Finality, write_marker
+hour = 3_600_000_000
+decision = Finality(start_us=hour * 490_000, end_us=hour * 490_001, final=True, decided_at_us=int(sys.argv[2]),
+                    not_before_us=0, click_files=int(sys.argv[2]))
+print(json.dumps(write_marker(sys.argv[1], decision)))
+"""
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_writers_racing_to_declare_an_hour_final_agree_on_the_first_marker(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """``<out>/_final/<hour>.json`` is written by put-if-absent through the storage interface, on a folder as on an
+    object store: of six processes declaring one hour final at once (each with its own decision), every one returns
+    the same marker, the one that stands, and a reader reads it."""
+    from photon.tools.completeness import marker_path, read_marker
+
+    out = str(tmp_path / "out") if where == "folder" else f"s3://{request.getfixturevalue('bucket')}/out"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MARKER_RACE, out, str(i + 1)], env=env, stdout=subprocess.PIPE)
+        for i in range(6)
+    ]
+    results = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    hour = 3_600_000_000
+    where_ = marker_path(out, hour * 490_000, hour * 490_001)
+    assert where_.endswith("/out/_final/2025112416.json"), where_
+    assert all(path == where_ for path, _ in results), results
+    markers = {json.dumps(marker, sort_keys=True) for _, marker in results}
+    assert len(markers) == 1, markers  # one declaration stands, whoever was first
+    stood = read_marker(out, hour * 490_000, hour * 490_001)
+    assert stood is not None and json.dumps(stood, sort_keys=True) in markers and stood["final"]
+    assert 1 <= stood["click_files"] <= 6
+    assert read_marker(out, hour * 490_001, hour * 490_002) is None  # another hour: none

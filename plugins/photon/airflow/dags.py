@@ -438,11 +438,9 @@ def finality_dag() -> DAG:
 
         @task(task_id="declare_final", outlets=[FINAL_HOURLY])
         def declare(decision: dict[str, Any], out: str, **context: Any) -> dict[str, Any]:
-            from pathlib import Path
-
             from photon.tools.completeness import Finality, write_marker
 
-            path, marker = write_marker(Path(out), Finality.from_dict(decision))
+            path, marker = write_marker(out, Finality.from_dict(decision))
             extra = {k: marker[k] for k in ("start", "end", "start_us", "end_us", "click_files", "input_clicks")}
             extra["empty_accepted"] = bool(marker.get("empty_accepted"))
             context["outlet_events"][FINAL_HOURLY].extra = extra | {"marker": str(path)}

@@ -52,13 +52,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.durable import fsync_dir, make_dirs
 from photon.joiner.common import RECOVERED_PREFIX, batch_tag
 from photon.logs.layout import MINUTE_US, data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
@@ -66,6 +65,7 @@ from photon.pg import autocommit
 from photon.registry.client import MAIN, IdRegistry
 from photon.registry.clock import CLOCK_SQL
 from photon.settings import MAX_CLOCK_SKEW_S, time_bound_s
+from photon.storage import NotFoundError, open_store
 from photon.tools.quality import interval_click_files, interval_clicks
 
 log = logging.getLogger(__name__)
@@ -570,46 +570,45 @@ def check_backfill_window(
 # -- the marker -----------------------------------------------------------------------------------------------------
 
 
-def marker_path(out: Path, start_us: int, end_us: int) -> Path:
-    """``<out>/_final/<YYYYmmddHH>.json`` for a UTC hour, ``<YYYYmmddHHMM>-<YYYYmmddHHMM>.json`` otherwise."""
+def marker_key(start_us: int, end_us: int) -> str:
+    """``_final/<YYYYmmddHH>.json`` for a UTC hour, ``_final/<YYYYmmddHHMM>-<YYYYmmddHHMM>.json`` otherwise."""
     start = datetime.fromtimestamp(start_us / US, UTC)
     if start_us % HOUR_US == 0 and end_us - start_us == HOUR_US:
         name = f"{start:%Y%m%d%H}"
     else:
         name = f"{start:%Y%m%d%H%M}-{datetime.fromtimestamp(end_us / US, UTC):%Y%m%d%H%M}"
-    return out / FINAL_DIR / f"{name}.json"
+    return f"{FINAL_DIR}/{name}.json"
 
 
-def write_marker(out: Path, decision: Finality) -> tuple[Path, dict[str, Any]]:
-    """Record a final decision where readers poll for it; (its path, the marker as it stands). Written whole or not
-    at all and durably, and only once: the first declaration stands (a re-run of the task, or a second decision,
-    leaves it as it is and returns it)."""
+def marker_path(out: Path | str, start_us: int, end_us: int) -> str:
+    """Where the marker of an interval is: a path under the output folder, or a URL under an ``s3://`` one."""
+    key = marker_key(start_us, end_us)
+    return f"{str(out).rstrip('/')}/{key}" if str(out).startswith("s3://") else str(Path(out) / key)
+
+
+def write_marker(out: Path | str, decision: Finality) -> tuple[str, dict[str, Any]]:
+    """Record a final decision where readers poll for it; (where it is, the marker as it stands). Written whole or
+    not at all and durably, and only once (put-if-absent, on a folder as on an object store): the first declaration
+    stands (a re-run of the task, or a second decision racing it, leaves it as it is and returns it)."""
     if not decision.final:
         raise ValueError(f"interval [{iso(decision.start_us)}, {iso(decision.end_us)}) is not final")
-    path = marker_path(out, decision.start_us, decision.end_us)
-    if path.exists():
-        return path, json.loads(path.read_text())
+    store, key = open_store(out), marker_key(decision.start_us, decision.end_us)
+    where = marker_path(out, decision.start_us, decision.end_us)
+    existing = read_marker(out, decision.start_us, decision.end_us)
+    if existing is not None:
+        return where, existing
     marker = {"format": MARKER_FORMAT, **decision.to_dict()}
-    make_dirs(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(marker, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    if store.put(key, (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode(), if_absent=True):
+        return where, marker
+    return where, json.loads(store.get(key))  # another writer's, first
+
+
+def read_marker(out: Path | str, start_us: int, end_us: int) -> dict[str, Any] | None:
     try:
-        os.link(tmp, path)  # never replaces: of two writers racing, the first one's marker stands
-    except FileExistsError:
-        marker = json.loads(path.read_text())
-    finally:
-        os.unlink(tmp)
-    fsync_dir(path.parent)
-    return path, marker
-
-
-def read_marker(out: Path, start_us: int, end_us: int) -> dict[str, Any] | None:
-    path = marker_path(out, start_us, end_us)
-    return json.loads(path.read_text()) if path.is_file() else None
+        data = open_store(out).get(marker_key(start_us, end_us))
+    except NotFoundError:
+        return None
+    return cast(dict[str, Any], json.loads(data))
 
 
 def summary(d: Finality | Mapping[str, Any]) -> str:
