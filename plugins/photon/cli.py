@@ -31,6 +31,11 @@ storage_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(storage_app, name="storage")
+spark_app = typer.Typer(
+    help="A local Spark standalone cluster (a master and workers on 127.0.0.1) to join on: up, down, status.",
+    no_args_is_help=True,
+)
+app.add_typer(spark_app, name="spark")
 # Soft wrap: a message longer than the terminal is still one line (the terminal folds it on screen). Without it, rich
 # breaks lines at the width, 80 columns when output is not a terminal: each batch line of a join task came out as two
 # Airflow log records, and so did the demo's.
@@ -816,6 +821,96 @@ def storage_status(
         raise typer.Exit(1)
 
 
+SparkFolder = Annotated[
+    Path | None,
+    typer.Option("--folder", help="The cluster's folder (workers' folders, logs); default PHOTON_HOME/spark."),
+]
+
+
+def _spark_folder(folder: Path | None) -> Path:
+    return folder if folder is not None else load_settings().home / "spark"
+
+
+def _say_cluster(cluster: Any) -> None:
+    from photon.tools.spark_cluster import airflow_connection
+
+    workers = len(cluster.processes) - 1
+    console.print(
+        f"Spark cluster at {cluster.master_url}: a master and {workers} worker(s), UI http://127.0.0.1:{cluster.ui_port}"
+    )
+    console.print(f"  join on it: photon join --master {cluster.master_url} ...")
+    console.print(f"  under Airflow: export AIRFLOW_CONN_SPARK_DEFAULT='{airflow_connection(cluster)}'")
+
+
+@spark_app.command("up")
+def spark_up(
+    workers: Annotated[int, typer.Option(help="Workers, each in a folder of its own.")] = 2,
+    cores: Annotated[int, typer.Option(help="Cores each worker offers.")] = 1,
+    memory: Annotated[str, typer.Option(help="Memory each worker offers (Spark's notation: 1g, 512m).")] = "1g",
+    folder: SparkFolder = None,
+) -> None:
+    """Start a Spark standalone cluster on this machine (or find it running): a master and workers from the pyspark
+    wheel, on 127.0.0.1, each a process of its own; they run until `photon spark down`."""
+    from photon.tools.spark_cluster import start
+
+    _say_cluster(start(_spark_folder(folder), workers=workers, cores=cores, memory=memory))
+
+
+@spark_app.command("down")
+def spark_down(
+    folder: SparkFolder = None,
+    hard: Annotated[bool, typer.Option("--hard", help="SIGKILL at once, as a crash would.")] = False,
+) -> None:
+    """Stop the local Spark cluster: its workers, then its master (the applications on it fail)."""
+    from photon.tools.spark_cluster import stop
+
+    where = _spark_folder(folder)
+    console.print(
+        f"Spark cluster of {_shown(where)} stopped"
+        if stop(where, hard=hard)
+        else f"no Spark cluster runs for {_shown(where)}"
+    )
+
+
+@spark_app.command("status")
+def spark_status(
+    folder: SparkFolder = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Whether the local Spark cluster runs (every process of it alive), its master, workers and applications (exit 1
+    if it does not run)."""
+    from photon.tools.spark_cluster import running
+
+    where = _spark_folder(folder)
+    cluster = running(where)
+    info: dict[str, Any] = {"running": cluster is not None, "folder": str(where)}
+    if cluster is not None:
+        try:
+            state = cluster.state()
+        except OSError as exc:
+            raise ValueError(f"the Spark master at {cluster.master_url} does not answer: {exc}") from None
+        info |= {
+            "master_url": cluster.master_url,
+            "ui": f"http://127.0.0.1:{cluster.ui_port}",
+            "alive_workers": state.get("aliveworkers", 0),
+            "cores": state.get("cores", 0),
+            "active_apps": [a["name"] for a in state.get("activeapps", [])],
+            "completed_apps": len(state.get("completedapps", [])),
+        }
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+    elif cluster is None:
+        console.print(f"no Spark cluster runs for {_shown(where)} (photon spark up starts one)")
+    else:
+        _say_cluster(cluster)
+        console.print(
+            f"  {info['alive_workers']} worker(s) alive, {info['cores']} core(s); running: "
+            f"{', '.join(info['active_apps']) or 'nothing'}; {info['completed_apps']} application(s) finished"
+        )
+    if cluster is None:
+        raise typer.Exit(1)
+
+
 @app.command("spark-connect")
 def spark_connect_cmd(
     port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 15002,
@@ -1298,6 +1393,7 @@ def main() -> None:
         from photon.registry.cluster import ClusterError
         from photon.registry.migrations import MigrationError
         from photon.storage import StorageError
+        from photon.tools.spark_cluster import SparkClusterError
         from photon.tools.spark_connect import NoServerError
         from photon.tools.storage_server import StorageServerError
 
@@ -1314,6 +1410,7 @@ def main() -> None:
             | NoServerError
             | StorageError
             | StorageServerError
+            | SparkClusterError
             | ValueError,
         ):
             raise

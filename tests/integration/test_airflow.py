@@ -376,87 +376,16 @@ def test_backfill_over_two_intervals_twice_equals_once(env: Any, monkeypatch: py
     shutil.rmtree(env.out / "_quality", ignore_errors=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def spark_cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    """A Spark standalone master and one worker started from the installed pyspark distribution."""
-    import urllib.request
+    """A Spark standalone master and one worker of 2 cores, as `photon spark up` starts them."""
+    from photon.tools import spark_cluster
 
-    import pyspark
-
-    spark_home = Path(pyspark.__file__).parent
-    spark_class = str(spark_home / "bin" / "spark-class")
-    port, ui = _free_port(), _free_port()
-    env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
-    logs = tmp_path / "spark-logs"
-    logs.mkdir()
-    procs = [
-        subprocess.Popen(
-            [
-                spark_class,
-                "org.apache.spark.deploy.master.Master",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--webui-port",
-                str(ui),
-            ],
-            env=env,
-            stdout=open(logs / "master.log", "wb"),  # noqa: SIM115 - closed with the process
-            stderr=subprocess.STDOUT,
-        )
-    ]
+    cluster = spark_cluster.start(tmp_path / "spark", workers=1, cores=2, memory="2g")
     try:
-        deadline = time.time() + 60
-        state: dict[str, Any] = {}
-        while time.time() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as r:
-                    state = json.load(r)
-                if not procs[1:]:
-                    procs.append(
-                        subprocess.Popen(
-                            [
-                                spark_class,
-                                "org.apache.spark.deploy.worker.Worker",
-                                f"spark://127.0.0.1:{port}",
-                                "--cores",
-                                "2",
-                                "--memory",
-                                "2g",
-                                "--webui-port",
-                                str(_free_port()),
-                                "--work-dir",
-                                str(tmp_path / "spark-work"),
-                            ],
-                            env=env,
-                            stdout=open(logs / "worker.log", "wb"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
-                if state.get("aliveworkers", 0) >= 1:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        assert state.get("aliveworkers", 0) >= 1, (logs / "master.log").read_text()[-3000:]
-        yield f"spark://127.0.0.1:{port}", ui
+        yield cluster.master_url, cluster.ui_port
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        spark_cluster.stop(tmp_path / "spark")
 
 
 def test_join_lease_on_a_spark_standalone_cluster(

@@ -84,7 +84,7 @@ def weed_binary() -> str:
     return other
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     held, ports = [], []
     try:
         for _ in range(n):
@@ -133,7 +133,7 @@ def running(folder: Path) -> Server | None:
         server = Server(folder, pid, str(info["endpoint"]), dict(info["ports"]))
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return server if _alive(pid, created) else None
+    return server if alive(pid, created) else None
 
 
 def _answers(endpoint: str) -> bool:
@@ -178,7 +178,7 @@ def _start(folder: Path) -> Server:
     }
     config = folder / "s3.json"
     secret_file(config, lambda: json.dumps(identity), replace=True)
-    ports = dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
+    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
     cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     cmd += ["-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={config}"]
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
@@ -199,7 +199,7 @@ def _start(folder: Path) -> Server:
         env_file(folder)
         _fsync_buckets(server)
     except BaseException:  # a failed or interrupted start (Ctrl-C) leaves no server behind
-        _kill(proc.pid, 0.0)
+        kill_group(proc.pid, 0.0)
         (folder / "server.json").unlink(missing_ok=True)
         raise
     return server
@@ -256,7 +256,7 @@ def create_bucket(server: Server, bucket: str) -> None:
         raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}")
 
 
-def _alive(pid: int, created: float | None = None) -> bool:
+def alive(pid: int, created: float | None = None) -> bool:
     """Whether ``pid`` runs (a zombie does not: where nobody reaps the server once `photon storage up` has exited,
     it stays one after its exit), and is the process started at ``created`` (not another one given its pid since)."""
     try:
@@ -266,7 +266,7 @@ def _alive(pid: int, created: float | None = None) -> bool:
         return False
 
 
-def _kill(pid: int, grace_s: float = STOP_GRACE_S) -> None:
+def kill_group(pid: int, grace_s: float = STOP_GRACE_S) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -274,7 +274,7 @@ def _kill(pid: int, grace_s: float = STOP_GRACE_S) -> None:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return
-        if not _alive(pid):
+        if not alive(pid):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
@@ -286,5 +286,5 @@ def stop(folder: Path, *, hard: bool = False) -> bool:
     found = running(folder.resolve())
     if found is None:
         return False
-    _kill(found.pid, 0.0 if hard else STOP_GRACE_S)
+    kill_group(found.pid, 0.0 if hard else STOP_GRACE_S)
     return True

@@ -1,0 +1,182 @@
+"""A Spark standalone cluster on this machine (``photon spark up|down|status``): a master and workers started from the
+pyspark wheel alone (``spark-class``; the wheel has no ``start-master.sh``), each a plain process in its session of
+its own, on 127.0.0.1 only, every port a free one (so that several clusters run side by side). Each worker has a
+working folder of its own (``worker-<n>/``: its executors' scratch space and logs), under the cluster's folder,
+which also holds ``cluster.json`` (the processes, their start times, the master's URL and UI port) and the logs.
+
+A joiner runs on it with ``photon join --master spark://127.0.0.1:<port>``, or under Airflow with the connection
+``spark_default`` pointing at the master (``airflow_connection``). Executors read the logs and write the output where
+the driver does: on one machine a shared folder; across machines an object store (issue 35's goal)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from photon.tools.storage_server import alive, free_ports, kill_group
+
+MEMORY = re.compile(r"[1-9][0-9]*[kmgtKMGT]?")  # what a worker's --memory takes (else it exits with its usage)
+START_TIMEOUT_S = 90.0  # a master and two workers: 10-17 s on this machine, more under load
+STOP_GRACE_S = 10.0
+
+
+class SparkClusterError(RuntimeError):
+    """The cluster could not start or answer; the message says why and where its logs are."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    folder: Path
+    master_url: str
+    ui_port: int
+    processes: list[dict[str, Any]]  # {"role", "pid", "created"}: the master first
+
+    def state(self) -> dict[str, Any]:
+        """The master's own view (its UI's ``/json/``): workers alive, cores, running and finished applications."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=5) as r:
+            return dict(json.load(r))
+
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
+def _env() -> dict[str, str]:
+    # Loopback only, this Python for the executors' Python workers.
+    return {
+        **os.environ,
+        "SPARK_HOME": str(spark_home()),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+    }
+
+
+def running(folder: Path) -> Cluster | None:
+    """The cluster ``cluster.json`` names, if its master and every worker are alive."""
+    try:
+        info = json.loads((folder / "cluster.json").read_text())
+        cluster = Cluster(folder, str(info["master_url"]), int(info["ui_port"]), list(info["processes"]))
+        procs = [(int(p["pid"]), float(p["created"])) for p in cluster.processes]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return cluster if procs and all(alive(pid, created) for pid, created in procs) else None
+
+
+def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> Cluster:
+    """Start the cluster of ``folder`` (or return the one running). Two starts at once take turns; a start that fails
+    or is interrupted stops what it started; a cluster left half alive (a worker died) is stopped and started anew."""
+    if workers < 1 or cores < 1:
+        raise SparkClusterError("a cluster needs at least one worker of at least one core")
+    if not MEMORY.fullmatch(memory):
+        raise SparkClusterError(f"memory {memory!r}: a number of bytes with k, m, g or t (Spark's notation: 512m, 2g)")
+    folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = running(folder)
+        if found is not None:
+            return found
+        _stop_listed(folder, 0.0)  # whatever is left of a cluster of which a process died
+        return _start(folder, workers, cores, memory)
+
+
+def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
+    spark_class = str(spark_home() / "bin" / "spark-class")
+    port, ui, *worker_ui = free_ports(2 + workers)
+    master_url = f"spark://127.0.0.1:{port}"
+    logs = folder / "logs"
+    logs.mkdir(exist_ok=True)
+    master = [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port)]
+    commands = [("master", [*master, "--webui-port", str(ui)])]
+    for n in range(workers):
+        work = folder / f"worker-{n + 1}"
+        work.mkdir(exist_ok=True)
+        worker = [spark_class, "org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1"]
+        worker += ["--cores", str(cores), "--memory", memory, "--webui-port", str(worker_ui[n])]
+        worker += ["--work-dir", str(work)]
+        commands.append((f"worker-{n + 1}", worker))
+    processes: list[dict[str, Any]] = []
+    info = {"master_url": master_url, "ui_port": ui, "processes": processes}
+    try:
+        for role, argv in commands:
+            with open(logs / f"{role}.log", "ab") as log:
+                proc = subprocess.Popen(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
+            # Named before it answers: an interrupted start leaves nothing `photon spark down` cannot find.
+            (folder / "cluster.json").write_text(json.dumps(info, indent=2))
+        cluster = Cluster(folder, master_url, ui, processes)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            dead = [p["role"] for p in processes if not alive(p["pid"], p["created"])]
+            if dead:
+                said = _last_line(logs / f"{dead[0]}.log")
+                raise SparkClusterError(f"the Spark cluster's {', '.join(dead)} exited at start: {said} (logs {logs})")
+            with contextlib.suppress(OSError, ValueError):
+                if cluster.state().get("aliveworkers", 0) >= workers:
+                    return cluster
+            if time.monotonic() > deadline:
+                raise SparkClusterError(
+                    f"the Spark cluster did not have {workers} worker(s) alive after {START_TIMEOUT_S:.0f} s "
+                    f"(logs {logs})"
+                )
+            time.sleep(0.5)
+    except BaseException:
+        _stop_listed(folder, 0.0)
+        raise
+
+
+def _last_line(log: Path) -> str:
+    """What a process said last before it exited (Spark's reason is its last line, or an exception's first)."""
+    lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    reason = next((x for x in lines if "Exception" in x or "Error" in x), lines[-1] if lines else "no output")
+    return reason[:300]
+
+
+def _stop_listed(folder: Path, grace_s: float) -> bool:
+    """Stop every process ``cluster.json`` names (workers first) that is still the one started; True if any was."""
+    try:
+        processes = json.loads((folder / "cluster.json").read_text())["processes"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    live = [p for p in reversed(processes) if alive(int(p["pid"]), float(p["created"]))]
+    for p in live:
+        kill_group(int(p["pid"]), grace_s)
+    (folder / "cluster.json").unlink(missing_ok=True)
+    return bool(live)
+
+
+def stop(folder: Path, *, hard: bool = False) -> bool:
+    """Stop the folder's cluster (SIGKILL at once with ``hard``); False if none of it was running."""
+    folder = folder.resolve()
+    with open_lock(folder) as _:
+        return _stop_listed(folder, 0.0 if hard else STOP_GRACE_S)
+
+
+@contextlib.contextmanager
+def open_lock(folder: Path) -> Any:
+    if not folder.is_dir():
+        yield None
+        return
+    with open(folder / ".start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield lock
+
+
+def airflow_connection(cluster: Cluster) -> str:
+    """``AIRFLOW_CONN_SPARK_DEFAULT``'s value for this cluster (the join DAGs submit to ``spark_default``)."""
+    host, port = cluster.master_url.rsplit(":", 1)
+    return json.dumps({"conn_type": "spark", "host": host, "port": int(port)})
