@@ -141,12 +141,12 @@ def login_as(pg_admin_dsn: str) -> Iterator[Callable[[str, str], str]]:
 # contiguous block at the start, which put every long test on one worker: it ran alone for the last few minutes.)
 SLOW_FIRST = (
     # (seconds: a full `make test` here, 3 workers on 2 cores)
-    "tests/integration/test_airflow_local.py::test_backfill_while_a_joiner_lease_runs",  # 524 s
+    "tests/integration/test_airflow_local.py::test_backfill_while_a_joiner_lease_runs",  # 395-650 s
     "tests/integration/test_nemesis.py",  # 281 s
     "tests/integration/test_handover.py::test_standby_leases_hand_over_on_release",  # 213 s
     # 167 s, and its module's three-node cluster 20-30 s to start
     "tests/integration/test_failover_load.py::test_both_joiners_carry_on_across_a_lost_primary",
-    "tests/integration/test_airflow.py::test_backfill_over_two_intervals",  # 160 s
+    "tests/integration/test_airflow.py::test_backfill_over_two_intervals",  # 33 s on the warm Spark Connect server
     "tests/integration/test_airflow.py::test_join_dag_runs_a_lease",  # 125 s
     # 435 s and 445 s with a Spark start per lease; on the test process's warm Spark Connect server 25-27 s alone
     "tests/integration/test_joiner.py::test_sigkilled_joiner_restarted",

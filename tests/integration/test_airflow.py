@@ -334,8 +334,17 @@ def test_a_final_hour_triggers_data_quality_which_finds_every_click_decided(
     assert summary["no_outcome"] == summary["joined_more_than_once"] == 0
 
 
-def test_backfill_over_two_intervals_twice_equals_once(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backfill_over_two_intervals_twice_equals_once(
+    env: Any, monkeypatch: pytest.MonkeyPatch, warm_spark: Path
+) -> None:
+    from photon.tools.spark_connect import TOKEN_ENV, connection
+
     monkeypatch.setenv("PHOTON_DCS", "dc-a")  # one data center keeps the test short; the DAG makes one per dc
+    # Its four tasks join on the test process's warm Spark Connect server, as photon airflow's backfill tasks do (a
+    # Spark start each cost 188 s under the suite's load); test_join_dag_runs_a_lease_through_spark_submit starts one.
+    remote, token = connection(warm_spark)
+    monkeypatch.setenv("PHOTON_SPARK_REMOTE", remote)
+    monkeypatch.setenv(TOKEN_ENV, token)
     first_hour = _hour(int(time.time() * US)) - timedelta(hours=4)
     start = int(first_hour.timestamp() * US) + 30 * 60 * US  # logs from half past, over two hourly intervals
     settings = GeneratorSettings(
