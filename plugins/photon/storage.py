@@ -344,6 +344,8 @@ class S3Store:
 def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:
     """The store a ``--logs`` or ``--out`` names: ``s3://bucket/prefix``, or a folder (a path or ``file://``)."""
     text = str(url)
+    if not text.strip():
+        raise StorageError("an empty path or URL names no store")
     if text.startswith("s3://"):
         return S3Store(text, options)
     if "://" in text and not text.startswith("file://"):

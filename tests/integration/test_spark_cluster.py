@@ -3,6 +3,7 @@ such a cluster: test_airflow.py's lease on a standalone cluster, started by the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from photon.tools import spark_cluster
 from photon.tools.storage_server import alive
@@ -73,9 +75,93 @@ def test_bad_sizes_are_one_line_and_start_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "spark"
     for args, said in (
         (("--memory", "lots"), "memory 'lots'"),
+        (("--memory", "1"), "at least 512m"),  # a worker exited with "Uncaught exception"
+        (("--memory", "100m"), "at least 512m"),
         (("--workers", "0"), "at least one worker"),
         (("--cores", "0"), "at least one core"),
     ):
         bad = photon("spark", "up", "--folder", str(folder), *args)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, (args, bad.stderr)
         assert spark_cluster.running(folder) is None and not (folder / "cluster.json").exists()
+
+
+def spark_processes_in(folder: Path) -> list[psutil.Process]:
+    """Every live Spark master or worker of ``folder`` (its log there is its output), whatever recorded it."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if not any(a.startswith("org.apache.spark.deploy.") for a in p.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if any(f.path.startswith(f"{folder}/") for f in p.open_files()):
+                found.append(p)
+    return found
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_up_interrupted_as_each_process_starts_leaves_none_running(tmp_path: Path, sig: int) -> None:
+    """A reviewer's break: SIGINT the moment `photon spark up` had forked a process left it running, named nowhere
+    (12 of 12 tries), and SIGTERM (timeout's, a service manager's) left the whole cluster. Now the process is named
+    in cluster.json before an interrupt can land, and SIGTERM stops a start as Ctrl-C does: nothing is left."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    for n in (1, 2, 3):
+        folder = tmp_path / f"spark-{n}"
+        up = subprocess.Popen(
+            [sys.executable, "-m", "photon", "spark", "up", "--folder", str(folder)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len(children(up.pid)) < n and up.poll() is None and time.monotonic() < deadline:
+                pass  # as tight as it gets: the interrupt lands right after the n-th fork
+            up.send_signal(sig)
+            up.communicate(timeout=60)
+            time.sleep(0.5)
+            left = spark_processes_in(folder)
+            assert not left, (n, [p.cmdline()[-6:] for p in left])
+            assert spark_cluster.running(folder) is None
+        finally:
+            for p in spark_processes_in(folder):
+                p.kill()
+
+
+def test_down_never_stops_a_process_that_is_not_the_clusters(tmp_path: Path) -> None:
+    """A reviewer's break: a cluster.json naming another live process (a pid reused, a folder copied, a file edited)
+    made `down` kill it and its group. A process is the cluster's only if it started at the recorded time and runs
+    Spark's master or worker."""
+    folder = tmp_path / "spark"
+    folder.mkdir()
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        created = psutil.Process(other.pid).create_time()
+        for skew in (0.0, 0.9):
+            processes = [{"role": "master", "pid": other.pid, "created": created + skew}]
+            info = {"master_url": "spark://127.0.0.1:1", "ui_port": 1, "processes": processes}
+            (folder / "cluster.json").write_text(json.dumps(info))
+            assert spark_cluster.running(folder) is None
+            down = photon("spark", "down", "--folder", str(folder))
+            assert down.returncode == 0 and down.stdout.startswith("no Spark cluster runs"), down.stdout
+            assert other.poll() is None, skew
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_folder_that_cannot_be_one_is_one_line(tmp_path: Path) -> None:
+    """A reviewer's break: a file where the folder goes, or a folder under a file, printed a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for folder in (a_file, a_file / "sub"):
+        bad = photon("spark", "up", "--folder", str(folder))
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and str(folder) in bad.stderr, bad.stderr

@@ -385,3 +385,14 @@ def test_writers_racing_to_declare_an_hour_final_agree_on_the_first_marker(
     assert stood is not None and json.dumps(stood, sort_keys=True) in markers and stood["final"]
     assert 1 <= stood["click_files"] <= 6
     assert read_marker(out, hour * 490_001, hour * 490_002) is None  # another hour: none
+
+
+def test_a_file_url_and_an_empty_path(tmp_path: Path) -> None:
+    """A reviewer's finds: a ``file://`` output's marker was reported at ``file:/...`` (no such path), and an empty
+    output string wrote into the current folder."""
+    from photon.tools.completeness import marker_path
+
+    hour = 3_600_000_000
+    assert marker_path(f"file://{tmp_path}/out", hour, 2 * hour) == f"{tmp_path}/out/_final/1970010100.json"
+    with pytest.raises(StorageError, match="empty"):
+        open_store("")

@@ -583,7 +583,8 @@ def marker_key(start_us: int, end_us: int) -> str:
 def marker_path(out: Path | str, start_us: int, end_us: int) -> str:
     """Where the marker of an interval is: a path under the output folder, or a URL under an ``s3://`` one."""
     key = marker_key(start_us, end_us)
-    return f"{str(out).rstrip('/')}/{key}" if str(out).startswith("s3://") else str(Path(out) / key)
+    text = str(out)
+    return f"{text.rstrip('/')}/{key}" if text.startswith("s3://") else str(Path(text.removeprefix("file://")) / key)
 
 
 def write_marker(out: Path | str, decision: Finality) -> tuple[str, dict[str, Any]]:

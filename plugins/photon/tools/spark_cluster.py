@@ -15,10 +15,13 @@ import fcntl
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,8 @@ import psutil
 
 from photon.tools.storage_server import alive, free_ports, kill_group
 
-MEMORY = re.compile(r"[1-9][0-9]*[kmgtKMGT]?")  # what a worker's --memory takes (else it exits with its usage)
+MEMORY = re.compile(r"(?P<n>[1-9][0-9]*)(?P<unit>[mgtMGT])")  # a worker's --memory, in Spark's notation
+MIN_MEMORY_MB = 512  # an executor needs 450 MiB at least (300 reserved, x 1.5); a worker exits with less than 1 MiB
 START_TIMEOUT_S = 90.0  # a master and two workers: 10-17 s on this machine, more under load
 STOP_GRACE_S = 10.0
 
@@ -62,6 +66,11 @@ def _env() -> dict[str, str]:
         "SPARK_HOME": str(spark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
+        # The master's REST submission server would take port 6066 (or the next free one up to 6082): nothing here
+        # submits through it, and a fixed port collides.
+        "SPARK_MASTER_OPTS": " ".join(
+            filter(None, [os.environ.get("SPARK_MASTER_OPTS"), "-Dspark.master.rest.enabled=false"])
+        ),
     }
 
 
@@ -73,7 +82,7 @@ def running(folder: Path) -> Cluster | None:
         procs = [(int(p["pid"]), float(p["created"])) for p in cluster.processes]
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return cluster if procs and all(alive(pid, created) for pid, created in procs) else None
+    return cluster if procs and all(_ours(p) for p in cluster.processes) else None
 
 
 def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> Cluster:
@@ -81,17 +90,50 @@ def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g")
     or is interrupted stops what it started; a cluster left half alive (a worker died) is stopped and started anew."""
     if workers < 1 or cores < 1:
         raise SparkClusterError("a cluster needs at least one worker of at least one core")
-    if not MEMORY.fullmatch(memory):
-        raise SparkClusterError(f"memory {memory!r}: a number of bytes with k, m, g or t (Spark's notation: 512m, 2g)")
+    m = MEMORY.fullmatch(memory)
+    if m is None or int(m["n"]) * {"m": 1, "g": 1024, "t": 1024**2}[m["unit"].lower()] < MIN_MEMORY_MB:
+        raise SparkClusterError(f"memory {memory!r}: at least 512m, in Spark's notation (512m, 2g)")
     folder = folder.resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".start.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(folder, create=True), _sigterm_interrupts():
         found = running(folder)
         if found is not None:
             return found
         _stop_listed(folder, 0.0)  # whatever is left of a cluster of which a process died
         return _start(folder, workers, cores, memory)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path, *, create: bool) -> Iterator[None]:
+    """The folder's start lock (starts and stops take turns); a folder that cannot be one is one line."""
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        elif not folder.is_dir():
+            yield
+            return
+        lock = open(folder / ".start.lock", "w")  # noqa: SIM115 (held for the block)
+    except OSError as exc:
+        raise SparkClusterError(f"{folder}: {exc.strerror or exc}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (timeout's, a service manager's) interrupts a start as Ctrl-C does, so that it stops what it started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
@@ -113,15 +155,22 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
     info = {"master_url": master_url, "ui_port": ui, "processes": processes}
     try:
         for role, argv in commands:
-            with open(logs / f"{role}.log", "ab") as log:
-                proc = subprocess.Popen(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
-            # Named before it answers: an interrupted start leaves nothing `photon spark down` cannot find.
-            (folder / "cluster.json").write_text(json.dumps(info, indent=2))
+            # An interrupt between the fork and the record would leave a process nothing names: held until it is
+            # named in cluster.json (before it answers, so that `photon spark down` can always find it).
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                with open(logs / f"{role}.log", "ab") as log:
+                    proc = subprocess.Popen(
+                        argv, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder
+                    )
+                processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
+                _write_json(folder / "cluster.json", info)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         cluster = Cluster(folder, master_url, ui, processes)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            dead = [p["role"] for p in processes if not alive(p["pid"], p["created"])]
+            dead = [p["role"] for p in processes if not _ours(p)]
             if dead:
                 said = _last_line(logs / f"{dead[0]}.log")
                 raise SparkClusterError(f"the Spark cluster's {', '.join(dead)} exited at start: {said} (logs {logs})")
@@ -135,8 +184,31 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
                 )
             time.sleep(0.5)
     except BaseException:
-        _stop_listed(folder, 0.0)
+        for p in reversed(processes):
+            if _ours(p):
+                kill_group(int(p["pid"]), 0.0)
+        (folder / "cluster.json").unlink(missing_ok=True)
         raise
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)  # whole or not at all: a start killed mid-write leaves the last list
+
+
+def _ours(p: Mapping[str, Any]) -> bool:
+    """Whether a process cluster.json names is alive and is that Spark process: started at the recorded time (to a
+    clock tick) and running Spark's master or worker, never another process given its pid since."""
+    try:
+        proc = psutil.Process(int(p["pid"]))
+        return (
+            alive(proc.pid)
+            and abs(proc.create_time() - float(p["created"])) < 0.02
+            and any(a.startswith("org.apache.spark.deploy.") for a in proc.cmdline())
+        )
+    except (psutil.Error, ValueError, TypeError, KeyError):
+        return False
 
 
 def _last_line(log: Path) -> str:
@@ -152,7 +224,7 @@ def _stop_listed(folder: Path, grace_s: float) -> bool:
         processes = json.loads((folder / "cluster.json").read_text())["processes"]
     except (OSError, ValueError, TypeError, KeyError):
         return False
-    live = [p for p in reversed(processes) if alive(int(p["pid"]), float(p["created"]))]
+    live = [p for p in reversed(processes) if _ours(p)]
     for p in live:
         kill_group(int(p["pid"]), grace_s)
     (folder / "cluster.json").unlink(missing_ok=True)
@@ -162,18 +234,8 @@ def _stop_listed(folder: Path, grace_s: float) -> bool:
 def stop(folder: Path, *, hard: bool = False) -> bool:
     """Stop the folder's cluster (SIGKILL at once with ``hard``); False if none of it was running."""
     folder = folder.resolve()
-    with open_lock(folder) as _:
+    with _locked(folder, create=False):
         return _stop_listed(folder, 0.0 if hard else STOP_GRACE_S)
-
-
-@contextlib.contextmanager
-def open_lock(folder: Path) -> Any:
-    if not folder.is_dir():
-        yield None
-        return
-    with open(folder / ".start.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield lock
 
 
 def airflow_connection(cluster: Cluster) -> str:
