@@ -393,6 +393,6 @@ def test_a_file_url_and_an_empty_path(tmp_path: Path) -> None:
     from photon.tools.completeness import marker_path
 
     hour = 3_600_000_000
-    assert marker_path(f"file://{tmp_path}/out", hour, 2 * hour) == f"{tmp_path}/out/_final/1970010100.json"
+    assert marker_path(f"file://{tmp_path}/out", hour, 2 * hour) == f"{tmp_path}/out/_final/1970010101.json"
     with pytest.raises(StorageError, match="empty"):
         open_store("")
