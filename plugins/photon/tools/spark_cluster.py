@@ -152,6 +152,7 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
         worker += ["--work-dir", str(work)]
         commands.append((f"worker-{n + 1}", worker))
     processes: list[dict[str, Any]] = []
+    started: list[subprocess.Popen[bytes]] = []  # this start's children: their pids are theirs until reaped
     info = {"master_url": master_url, "ui_port": ui, "processes": processes}
     try:
         for role, argv in commands:
@@ -163,6 +164,7 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
                     proc = subprocess.Popen(
                         argv, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder
                     )
+                started.append(proc)
                 processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
                 _write_json(folder / "cluster.json", info)
             finally:
@@ -170,7 +172,7 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
         cluster = Cluster(folder, master_url, ui, processes)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            dead = [p["role"] for p in processes if not _ours(p)]
+            dead = [p["role"] for p, proc in zip(processes, started, strict=True) if proc.poll() is not None]
             if dead:
                 said = _last_line(logs / f"{dead[0]}.log")
                 raise SparkClusterError(f"the Spark cluster's {', '.join(dead)} exited at start: {said} (logs {logs})")
@@ -184,9 +186,11 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
                 )
             time.sleep(0.5)
     except BaseException:
-        for p in reversed(processes):
-            if _ours(p):
-                kill_group(int(p["pid"]), 0.0)
+        for proc in reversed(started):  # by the child itself: one that has not exec'd Spark yet is stopped too
+            kill_group(proc.pid, 0.0)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
         (folder / "cluster.json").unlink(missing_ok=True)
         raise
 
