@@ -91,8 +91,13 @@ def test_compaction_keeps_every_row_once_and_the_published_batch(tmp_path: Path)
     dt = joined(out)
     ids, version = sorted(click_ids(dt)), dt.version()
     assert len(dt.file_uris()) == 80  # a file per batch and hour
+    # A dry run says what the run will do (it said "80 -> 80 data files, 0 compacted" to a newcomer), changing nothing.
+    dry = next(r for r in maintain(out, dry_run=True).tables if r.kind == JOINED)
+    assert (dry.files_compacted, dry.files_written, len(dry.hours_compacted)) == (80, 2, 2), dry
+    assert (dry.before.files, dry.after.files) == (80, 2) and joined(out).version() == version
     report = maintain(out)
     t = next(r for r in report.tables if r.kind == JOINED)
+    assert (t.files_compacted, t.files_written, t.after.files) == (80, 2, 2)
     dt = joined(out)
     assert len(dt.file_uris()) == 2 and t.files_compacted == 80 and len(t.hours_compacted) == 2
     assert sorted(click_ids(dt)) == ids  # the same rows, each once

@@ -30,7 +30,7 @@ import fcntl
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,9 +202,11 @@ def maintain_table(
     before = table_facts(t, dt)
     report = TableReport(t.pipeline, t.kind, before, before)
     # Step 1: compact, hour by hour.
-    for hour in _hours_to_compact(dt, target_bytes):
-        if dry_run:
+    for hour, (small_files, small_bytes) in _hours_to_compact(dt, target_bytes).items():
+        if dry_run:  # what the compaction would replace, and (at least) the files it would write
             report.hours_compacted.append(hour)
+            report.files_compacted += small_files
+            report.files_written += max(1, -(-small_bytes // target_bytes))
             continue
         published = dt.transaction_version(tables.app_id(t.pipeline))
         rows_before = _published_rows(dt, hour, published)
@@ -235,6 +237,8 @@ def maintain_table(
     # Step 4: vacuum.
     report.vacuumed, report.vacuumed_bytes, report.spared = vacuum_unreferenced(t, retention_hours, dry_run)
     report.after = table_facts(t, t.table())
+    if dry_run:  # the files the table would hold (the facts as they stand, but for the compaction's files)
+        report.after = replace(report.after, files=report.after.files - report.files_compacted + report.files_written)
     if before.published_batch is not None and (
         report.after.published_batch is None or report.after.published_batch < before.published_batch
     ):
@@ -323,14 +327,19 @@ def table_facts(t: tables.OutputTable, dt: DeltaTable | None = None) -> TableFac
     )
 
 
-def _hours_to_compact(dt: DeltaTable, target_bytes: int) -> list[str]:
-    """The hours with two or more data files under the target size: what a compaction would rewrite."""
+def _hours_to_compact(dt: DeltaTable, target_bytes: int) -> dict[str, tuple[int, int]]:
+    """The hours with two or more data files under the target size, each with those files' count and bytes: what a
+    compaction would rewrite."""
     adds = pa.table(dt.get_add_actions(flatten=True))
     small = adds.filter(pc.less(adds["size_bytes"], target_bytes))
-    counts = small.group_by(f"partition.{tables.PARTITION}").aggregate([("path", "count")])
-    return sorted(
-        h for h, n in zip(counts[0].to_pylist(), counts["path_count"].to_pylist(), strict=True) if n >= 2 and h
+    counts = small.group_by(f"partition.{tables.PARTITION}").aggregate([("path", "count"), ("size_bytes", "sum")])
+    found = zip(
+        counts[f"partition.{tables.PARTITION}"].to_pylist(),
+        counts["path_count"].to_pylist(),
+        counts["size_bytes_sum"].to_pylist(),
+        strict=True,
     )
+    return {h: (n, int(b or 0)) for h, n, b in sorted(found, key=lambda x: x[0] or "") if n >= 2 and h}
 
 
 def _published_rows(dt: DeltaTable, hour: str, published: int | None) -> int:
