@@ -106,11 +106,16 @@ def children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_up_interrupted_as_each_process_starts_leaves_none_running(tmp_path: Path, sig: int) -> None:
+@pytest.mark.parametrize(
+    "signals",
+    [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGTERM), (signal.SIGINT, signal.SIGINT)],
+    ids=["int", "term", "int-term", "int-int"],
+)
+def test_an_up_interrupted_as_each_process_starts_leaves_none_running(tmp_path: Path, signals: tuple[int, ...]) -> None:
     """A reviewer's break: SIGINT the moment `photon spark up` had forked a process left it running, named nowhere
     (12 of 12 tries), and SIGTERM (timeout's, a service manager's) left the whole cluster. Now the process is named
-    in cluster.json before an interrupt can land, and SIGTERM stops a start as Ctrl-C does: nothing is left."""
+    in cluster.json before an interrupt can land, and SIGTERM stops a start as Ctrl-C does: nothing is left. A second
+    reviewer's: a second signal 0-50 ms after the first (a double Ctrl-C) cut the cleanup short (16 of 16)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     for n in (1, 2, 3):
         folder = tmp_path / f"spark-{n}"
@@ -125,7 +130,10 @@ def test_an_up_interrupted_as_each_process_starts_leaves_none_running(tmp_path: 
             deadline = time.monotonic() + 60
             while len(children(up.pid)) < n and up.poll() is None and time.monotonic() < deadline:
                 pass  # as tight as it gets: the interrupt lands right after the n-th fork
-            up.send_signal(sig)
+            for i, sig in enumerate(signals):
+                if i and sig == signals[0]:
+                    time.sleep(0.005)  # the same signal twice at once is one (the kernel keeps one pending)
+                up.send_signal(sig)
             up.communicate(timeout=60)
             time.sleep(0.5)
             left = spark_processes_in(folder)
@@ -165,3 +173,61 @@ def test_a_folder_that_cannot_be_one_is_one_line(tmp_path: Path) -> None:
     for folder in (a_file, a_file / "sub"):
         bad = photon("spark", "up", "--folder", str(folder))
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and str(folder) in bad.stderr, bad.stderr
+
+
+def test_an_up_killed_right_after_a_fork_leaves_nothing_down_cannot_stop(tmp_path: Path) -> None:
+    """SIGKILL cannot be held: an `up` killed between a fork and its record leaves a process cluster.json does not
+    name. Each runs in the cluster's folder, and `down` stops those too."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    for n in (1, 3):
+        folder = tmp_path / f"spark-{n}"
+        up = subprocess.Popen(
+            [sys.executable, "-m", "photon", "spark", "up", "--folder", str(folder)], env=env, cwd=ROOT
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len(children(up.pid)) < n and up.poll() is None and time.monotonic() < deadline:
+                pass
+            up.kill()
+            up.wait()
+            time.sleep(1.0)  # the forked child becomes Spark
+            down = photon("spark", "down", "--folder", str(folder))
+            assert down.returncode == 0, down.stderr
+            time.sleep(0.5)
+            assert not spark_processes_in(folder), n
+        finally:
+            for p in spark_processes_in(folder):
+                p.kill()
+
+
+def test_down_on_a_copy_of_the_folder_leaves_the_original_running(tmp_path: Path) -> None:
+    """A copied folder's cluster.json names the original's processes (pids and start times alike): they are not the
+    copy's, since they run in the original folder."""
+    import shutil
+
+    original, copy = tmp_path / "a", tmp_path / "b"
+    try:
+        assert photon("spark", "up", "--folder", str(original), "--workers", "1").returncode == 0
+        shutil.copytree(original, copy)
+        assert spark_cluster.running(copy) is None
+        down = photon("spark", "down", "--folder", str(copy))
+        assert down.stdout.startswith("no Spark cluster runs"), down.stdout
+        assert spark_cluster.running(original) is not None
+    finally:
+        spark_cluster.stop(original, hard=True)
+        spark_cluster.stop(copy, hard=True)
+
+
+def test_files_where_the_cluster_writes_are_one_line(tmp_path: Path) -> None:
+    """A second reviewer's: a file named logs or worker-1, or a folder named cluster.json, printed a traceback (the
+    last after starting and killing a master)."""
+    for name, make in (("logs", "file"), ("worker-1", "file"), ("cluster.json", "folder")):
+        folder = tmp_path / name
+        folder.mkdir()
+        if make == "file":
+            (folder / name).write_text("x")
+        else:
+            (folder / name).mkdir()
+        bad = photon("spark", "up", "--folder", str(folder), "--workers", "1")
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and name in bad.stderr, (name, bad.stderr)
+        assert not spark_processes_in(folder), name

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,14 @@ def _env() -> dict[str, str]:
 
 def running(folder: Path) -> Cluster | None:
     """The cluster ``cluster.json`` names, if its master and every worker are alive."""
+    folder = folder.resolve()
     try:
         info = json.loads((folder / "cluster.json").read_text())
         cluster = Cluster(folder, str(info["master_url"]), int(info["ui_port"]), list(info["processes"]))
         procs = [(int(p["pid"]), float(p["created"])) for p in cluster.processes]
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return cluster if procs and all(_ours(p) for p in cluster.processes) else None
+    return cluster if procs and all(_ours(p, folder) for p in cluster.processes) else None
 
 
 def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> Cluster:
@@ -94,7 +96,7 @@ def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g")
     if m is None or int(m["n"]) * {"m": 1, "g": 1024, "t": 1024**2}[m["unit"].lower()] < MIN_MEMORY_MB:
         raise SparkClusterError(f"memory {memory!r}: at least 512m, in Spark's notation (512m, 2g)")
     folder = folder.resolve()
-    with _locked(folder, create=True), _sigterm_interrupts():
+    with _locked(folder, create=True), _interrupted_once():
         found = running(folder)
         if found is not None:
             return found
@@ -120,20 +122,26 @@ def _locked(folder: Path, *, create: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (timeout's, a service manager's) interrupts a start as Ctrl-C does, so that it stops what it started."""
+def _interrupted_once() -> Iterator[None]:
+    """Ctrl-C or SIGTERM (timeout's, a service manager's) interrupts a start, once: the start then stops what it
+    started, and a second signal (a double Ctrl-C, SIGTERM after SIGINT) cannot cut that short."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    interrupted = False
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
@@ -141,12 +149,10 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
     port, ui, *worker_ui = free_ports(2 + workers)
     master_url = f"spark://127.0.0.1:{port}"
     logs = folder / "logs"
-    logs.mkdir(exist_ok=True)
     master = [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port)]
     commands = [("master", [*master, "--webui-port", str(ui)])]
     for n in range(workers):
         work = folder / f"worker-{n + 1}"
-        work.mkdir(exist_ok=True)
         worker = [spark_class, "org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1"]
         worker += ["--cores", str(cores), "--memory", memory, "--webui-port", str(worker_ui[n])]
         worker += ["--work-dir", str(work)]
@@ -155,14 +161,23 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
     started: list[subprocess.Popen[bytes]] = []  # this start's children: their pids are theirs until reaped
     info = {"master_url": master_url, "ui_port": ui, "processes": processes}
     try:
+        for path in (logs, *(folder / role for role, _ in commands[1:])):
+            path.mkdir(exist_ok=True)
         for role, argv in commands:
             # An interrupt between the fork and the record would leave a process nothing names: held until it is
             # named in cluster.json (before it answers, so that `photon spark down` can always find it).
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
-                with open(logs / f"{role}.log", "ab") as log:
+                with open(logs / f"{role}.log", "wb") as log:  # this start's: its reason is not an old one
                     proc = subprocess.Popen(
-                        argv, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder
+                        argv,
+                        env=_env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        cwd=folder,
+                        # The child would inherit the held signals: Spark's threads with SIGINT and SIGTERM blocked.
+                        preexec_fn=partial(signal.pthread_sigmask, signal.SIG_SETMASK, held),
                     )
                 started.append(proc)
                 processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
@@ -185,14 +200,38 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
                     f"(logs {logs})"
                 )
             time.sleep(0.5)
-    except BaseException:
+    except BaseException as exc:
+        # (A second signal cannot interrupt this: _interrupted_once swallows it.)
         for proc in reversed(started):  # by the child itself: one that has not exec'd Spark yet is stopped too
             kill_group(proc.pid, 0.0)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait()
-        (folder / "cluster.json").unlink(missing_ok=True)
+        _stop_strays(folder)
+        with contextlib.suppress(OSError):  # missing, or a folder of that name (the start's error says)
+            (folder / "cluster.json").unlink()
+        if isinstance(exc, OSError):
+            raise SparkClusterError(f"{exc.filename or folder}: {exc.strerror or exc}") from None
         raise
+
+
+def _strays(folder: Path) -> list[psutil.Process]:
+    """Spark masters and workers running in ``folder`` (each is started there) that cluster.json may not name: an
+    `up` SIGKILLed between a fork and its record leaves one."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["cwd"] != str(folder):
+            continue
+        if any(a.startswith("org.apache.spark.deploy.") for a in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def _stop_strays(folder: Path, grace_s: float = 0.0) -> bool:
+    strays = _strays(folder)
+    for proc in strays:
+        kill_group(proc.pid, grace_s)
+    return bool(strays)
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -201,7 +240,7 @@ def _write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)  # whole or not at all: a start killed mid-write leaves the last list
 
 
-def _ours(p: Mapping[str, Any]) -> bool:
+def _ours(p: Mapping[str, Any], folder: Path) -> bool:
     """Whether a process cluster.json names is alive and is that Spark process: started at the recorded time (to a
     clock tick) and running Spark's master or worker, never another process given its pid since."""
     try:
@@ -210,6 +249,7 @@ def _ours(p: Mapping[str, Any]) -> bool:
             alive(proc.pid)
             and abs(proc.create_time() - float(p["created"])) < 0.02
             and any(a.startswith("org.apache.spark.deploy.") for a in proc.cmdline())
+            and proc.cwd() == str(folder)  # not another folder's (a copy of this one names the same processes)
         )
     except (psutil.Error, ValueError, TypeError, KeyError):
         return False
@@ -227,12 +267,14 @@ def _stop_listed(folder: Path, grace_s: float) -> bool:
     try:
         processes = json.loads((folder / "cluster.json").read_text())["processes"]
     except (OSError, ValueError, TypeError, KeyError):
-        return False
-    live = [p for p in reversed(processes) if _ours(p)]
+        processes = []
+    live = [p for p in reversed(processes) if _ours(p, folder)]
     for p in live:
         kill_group(int(p["pid"]), grace_s)
-    (folder / "cluster.json").unlink(missing_ok=True)
-    return bool(live)
+    stray = _stop_strays(folder, grace_s)  # started by an `up` killed before it could name them
+    with contextlib.suppress(OSError):
+        (folder / "cluster.json").unlink()
+    return bool(live) or stray
 
 
 def stop(folder: Path, *, hard: bool = False) -> bool:
