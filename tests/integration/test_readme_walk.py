@@ -7,7 +7,7 @@ registry initialised, each data center's batches committed, the audit PASS with 
 The walk goes on in the Airflow section: its backfill and data-quality blocks come after the audit, in that order,
 and run against a real `photon airflow` in tests/integration/test_airflow_local.py; this test checks that that test
 runs exactly those blocks, so the two together walk the newcomer's path. (`make demo`, `make test` and `make airflow`
-of "The two commands" are whole programs that other tests run.)"""
+of "The two commands (and Airflow)" are whole programs that other tests run.)"""
 
 from __future__ import annotations
 
