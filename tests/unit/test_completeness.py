@@ -25,8 +25,8 @@ def test_anything_but_the_start_of_an_hour_is_refused(text: str) -> None:
 
 def test_the_marker_of_an_hour_is_named_by_the_hour_and_other_intervals_by_both_ends() -> None:
     out = Path("/out")
-    assert marker_path(out, H13, H13 + HOUR_US) == out / "_final" / "2026112413.json"
-    assert marker_path(out, H13, H13 + HOUR_US // 2) == out / "_final" / "202611241300-202611241330.json"
+    assert marker_path(out, H13, H13 + HOUR_US) == str(out / "_final" / "2026112413.json")
+    assert marker_path(out, H13, H13 + HOUR_US // 2) == str(out / "_final" / "202611241300-202611241330.json")
 
 
 def test_a_missing_logs_folder_is_an_error_not_an_hour_without_input(tmp_path: Path) -> None:
