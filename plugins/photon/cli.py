@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -788,11 +789,7 @@ def storage_down(
     from photon.tools.storage_server import stop
 
     where = _storage_folder(folder)
-    console.print(
-        f"local S3 server of {_shown(where)} stopped"
-        if stop(where, hard=hard)
-        else f"no local S3 server runs for {_shown(where)}"
-    )
+    _say_stopped("local S3 server", where, stop(where, hard=hard))
 
 
 @storage_app.command("status")
@@ -808,16 +805,30 @@ def storage_status(
     info: dict[str, Any] = {"running": server is not None, "folder": str(where)}
     if server is not None:
         info |= {"pid": server.pid, "endpoint": server.endpoint, "env_file": str(where / "env.sh")}
+    _say_status(
+        info,
+        as_json,
+        f"no local S3 server runs for {_shown(where)} (photon storage up starts one)",
+        lambda: console.print(
+            f"local S3 server at {info['endpoint']} (pid {info['pid']}); "
+            f"for its clients: source {_shown(where / 'env.sh')}"
+        ),
+    )
+
+
+def _say_stopped(what: str, where: Path, stopped: bool) -> None:
+    console.print(f"{what} of {_shown(where)} stopped" if stopped else f"no {what} runs for {_shown(where)}")
+
+
+def _say_status(info: dict[str, Any], as_json: bool, not_running: str, say: Callable[[], None]) -> None:
+    """A local server's status: JSON, or its lines (``say``) if it runs, else ``not_running`` and exit status 1."""
     if as_json:
         typer.echo(json.dumps(info, indent=2))
-    elif server is None:
-        console.print(f"no local S3 server runs for {_shown(where)} (photon storage up starts one)")
+    elif info["running"]:
+        say()
     else:
-        console.print(
-            f"local S3 server at {server.endpoint} (pid {server.pid}); "
-            f"for its clients: source {_shown(where / 'env.sh')}"
-        )
-    if server is None:
+        console.print(not_running)
+    if not info["running"]:
         raise typer.Exit(1)
 
 
@@ -865,11 +876,7 @@ def spark_down(
     from photon.tools.spark_cluster import stop
 
     where = _spark_folder(folder)
-    console.print(
-        f"Spark cluster of {_shown(where)} stopped"
-        if stop(where, hard=hard)
-        else f"no Spark cluster runs for {_shown(where)}"
-    )
+    _say_stopped("Spark cluster", where, stop(where, hard=hard))
 
 
 @spark_app.command("status")
@@ -897,18 +904,15 @@ def spark_status(
             "active_apps": [a["name"] for a in state.get("activeapps", [])],
             "completed_apps": len(state.get("completedapps", [])),
         }
-    if as_json:
-        typer.echo(json.dumps(info, indent=2))
-    elif cluster is None:
-        console.print(f"no Spark cluster runs for {_shown(where)} (photon spark up starts one)")
-    else:
+
+    def say() -> None:
         _say_cluster(cluster)
         console.print(
             f"  {info['alive_workers']} worker(s) alive, {info['cores']} core(s); running: "
             f"{', '.join(info['active_apps']) or 'nothing'}; {info['completed_apps']} application(s) finished"
         )
-    if cluster is None:
-        raise typer.Exit(1)
+
+    _say_status(info, as_json, f"no Spark cluster runs for {_shown(where)} (photon spark up starts one)", say)
 
 
 @app.command("spark-connect")
