@@ -487,7 +487,12 @@ def audit_cmd(
 )
 def join_cmd(
     dc: Annotated[str, typer.Option(help="The pipeline's data center: reads <logs>/<dc>, writes <out>/<dc>.")],
-    logs: Annotated[Path, typer.Option(help="Input logs folder.")],
+    logs: Annotated[
+        str,
+        typer.Option(
+            help="Input logs: a folder, or s3://bucket/prefix (credentials and endpoint from the AWS_* variables)."
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Output folder.")],
     run_for: Annotated[float | None, typer.Option(help="Run micro-batches for this many seconds (a lease).")] = None,
     until_caught_up: Annotated[
@@ -562,7 +567,7 @@ def join_cmd(
     from photon.registry.clock import ClockSkewError, ServerClock
     from photon.spark_session import get_spark
 
-    _folder(logs, "--logs")
+    source = _logs_source(logs)
     if run_for is None and not until_caught_up:
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
@@ -602,8 +607,10 @@ def join_cmd(
         from photon.tools.completeness import check_backfill_window  # a window with nothing to join: one line
 
         window = (settings.window_start_us, settings.window_end_us)
+        if not isinstance(source, Path):
+            raise ValueError(f"--logs {logs}: a backfill window reads its logs from a folder (for now)")
         accepted = check_backfill_window(
-            servers, logs, dc, *window, allow_empty=allow_empty, max_clock_skew_s=settings.max_clock_skew_s
+            servers, source, dc, *window, allow_empty=allow_empty, max_clock_skew_s=settings.max_clock_skew_s
         )
         if accepted:
             console.print(f"{dc}: {accepted}")
@@ -615,7 +622,7 @@ def join_cmd(
         try:
             with announcing as announcement:
                 spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4, remote=remote)
-                joiner = Joiner(dc, logs, out, servers, spark, settings, pipeline=pipeline, clock=clock)
+                joiner = Joiner(dc, source, out, servers, spark, settings, pipeline=pipeline, clock=clock)
                 # From here (PySpark's session sets a SIGINT handler of its own): a signal stops the lease, not Python.
                 stopper = _Stopper(joiner)
                 if announcement is not None:
@@ -1232,6 +1239,17 @@ def final_cmd(
         for reason in marker["reasons"][1:]:
             typer.echo(f"  and: {reason}")
     raise typer.Exit(0 if marker["final"] else 1)
+
+
+def _logs_source(logs: str) -> Path | str:
+    """``--logs``: a folder that exists, or an s3:// URL whose store answers (a missing bucket, wrong credentials:
+    one line, before Spark starts)."""
+    if not logs.startswith("s3://"):
+        return _folder(Path(logs), "--logs")
+    from photon.storage import open_store
+
+    open_store(logs).files()
+    return logs
 
 
 def _folder(path: Path, option: str) -> Path:

@@ -15,8 +15,11 @@ root; objects are written whole and never renamed, so the same code runs on a fo
 from __future__ import annotations
 
 import contextlib
+import functools
+import mmap
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +31,12 @@ if TYPE_CHECKING:
     from obstore.store import S3Config
 
 
-class StorageError(RuntimeError):
-    """A store could not do what was asked: the message names the store and the key, never a credential."""
+class StorageError(OSError):
+    """A store could not do what was asked: the message names the store and the key, never a credential. An
+    OSError, as a file's failure is: a caller that handles a folder's I/O errors handles a bucket's alike."""
 
 
-class NotFoundError(StorageError):
+class NotFoundError(StorageError, FileNotFoundError):
     pass
 
 
@@ -45,19 +49,36 @@ class Entry:
     size: int
     etag: str
     modified_us: int
+    inode: int = 0  # a folder's file: its inode (another file renamed into its place has another); S3: 0
+
+
+class ChangingError(StorageError):
+    """A folder's file changed while it was read (a copy still being written into place): read it again later."""
 
 
 class Store(Protocol):
     url: str
+    # Whether an object appears whole once it is listed (S3: a put is atomic). A folder's files may be copied in
+    # place by other writers: a reader waits for them to settle (photon.joiner.discovery).
+    atomic: bool
 
     def listing(self, prefix: str = "", *, after: str | None = None) -> Iterator[Entry]:
         """The objects under the folder ``prefix`` ("" for all; whole parts: "a" holds "a/x", not "a-b/x") whose key
         sorts after ``after``, in key order (by bytes, as S3 lists)."""
         ...
 
+    def files(self, prefix: str = "") -> list[Entry]:
+        """The objects directly in the folder ``prefix`` (not in its sub-folders), in key order."""
+        ...
+
     def head(self, key: str) -> Entry | None: ...
 
     def get(self, key: str) -> bytes: ...
+
+    def read(self, key: str) -> tuple[bytes, Entry]:
+        """An object whole, with the entry of the very version read (``ChangingError``: a folder's file changed
+        while it was read)."""
+        ...
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """The bytes ``[start, end)`` of each range, cut at the object's end (as ``pread``)."""
@@ -101,6 +122,8 @@ def _check_key(key: str) -> str:
 class LocalStore:
     """A folder (see the module's text)."""
 
+    atomic = False
+
     def __init__(self, root: Path | str):
         self.root = Path(root)
         self.url = str(self.root)
@@ -112,9 +135,9 @@ class LocalStore:
         return self.root / _check_key(key)
 
     @staticmethod
-    def _entry(key: str, st: os.stat_result) -> Entry:
+    def entry_of(key: str, st: os.stat_result) -> Entry:
         tag = f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
-        return Entry(key, st.st_size, tag, st.st_mtime_ns // 1000)
+        return Entry(key, st.st_size, tag, st.st_mtime_ns // 1000, st.st_ino)
 
     def listing(self, prefix: str = "", *, after: str | None = None) -> Iterator[Entry]:
         # Walk only the folders that can hold keys after the mark, in key order.
@@ -139,35 +162,84 @@ class LocalStore:
                 st = e.stat()
             except FileNotFoundError:
                 continue  # deleted since the listing
-            yield self._entry(key, st)
+            yield self.entry_of(key, st)
+
+    def files(self, prefix: str = "") -> list[Entry]:
+        folder = prefix.strip("/")
+        found = []
+        try:
+            listed = list(os.scandir(self.root / _check_key(folder) if folder else self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for e in listed:
+            if e.name.endswith(TMP_SUFFIX) or e.is_dir():
+                continue
+            with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                found.append(self.entry_of(f"{folder}/{e.name}" if folder else e.name, e.stat()))
+        return sorted(found, key=lambda e: e.key.encode())
 
     def head(self, key: str) -> Entry | None:
         try:
             st = self._path(key).stat()
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return None if not os.path.isfile(self._path(key)) else self._entry(key, st)
+        return None if not os.path.isfile(self._path(key)) else self.entry_of(key, st)
+
+    @contextlib.contextmanager
+    def _open(self, key: str) -> Iterator[int]:
+        """A regular file's descriptor. Never blocks: a named pipe put in a file's place would make a plain open
+        wait for a writer for good."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFoundError(f"{self.url}: {key}: no such object") from None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotFoundError(f"{self.url}: {key}: not a regular file")
+            yield fd
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
     def get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a folder is no object
-            raise NotFoundError(f"{self.url}: {key}: no such object") from None
-        except OSError as exc:
-            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+        return self.read(key)[0]
+
+    def read(self, key: str) -> tuple[bytes, Entry]:
+        with self._open(key) as fd:
+            before = os.fstat(fd)
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                content = fh.read()
+            try:
+                after = os.stat(self._path(key))  # the name's file now: another renamed into place is a change
+            except FileNotFoundError:
+                raise ChangingError(f"{self.url}: {key}: removed while it was read") from None
+        entry = self.entry_of(key, after)
+        if (before.st_ino, before.st_size, before.st_mtime_ns) != (after.st_ino, after.st_size, after.st_mtime_ns) or (
+            len(content) != after.st_size
+        ):
+            raise ChangingError(f"{self.url}: {key}: changed while it was read")
+        return content, entry
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        try:
-            with open(self._path(key), "rb") as fh:
-                return [os.pread(fh.fileno(), max(0, end - start), start) for start, end in ranges]
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFoundError(f"{self.url}: {key}: no such object") from None
-        except OSError as exc:
-            raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
+        with self._open(key) as fd:
+            if len(ranges) > 8:  # many small ranges (an index's lines): one map, sliced
+                size = os.fstat(fd).st_size
+                if not size:
+                    return [b""] * len(ranges)
+                with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                    return [mm[start:end] if end > start else b"" for start, end in ranges]
+            return [os.pread(fd, max(0, end - start), start) for start, end in ranges]
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         try:
             return self._put(key, data, if_absent)
+        except StorageError:
+            raise
         except OSError as exc:  # a folder of that name, a file where a folder must be, a full or read-only disk
             raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
 
@@ -202,6 +274,8 @@ class LocalStore:
 
 class S3Store:
     """A prefix of an S3 bucket (see the module's text)."""
+
+    atomic = True
 
     def __init__(self, url: str, options: Mapping[str, str] | None = None):
         from obstore.store import S3Store as _S3
@@ -256,6 +330,16 @@ class S3Store:
             raise self._error(exc, prefix) from None
         yield from sorted(found, key=lambda e: e.key.encode())
 
+    def files(self, prefix: str = "") -> list[Entry]:
+        import obstore
+
+        folder = prefix.strip("/")
+        try:
+            found = obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None)["objects"]
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, prefix) from None
+        return sorted((self._entry(m) for m in found), key=lambda e: e.key.encode())
+
     def head(self, key: str) -> Entry | None:
         import obstore
 
@@ -267,10 +351,14 @@ class S3Store:
             raise self._error(exc, key) from None
 
     def get(self, key: str) -> bytes:
+        return self.read(key)[0]
+
+    def read(self, key: str) -> tuple[bytes, Entry]:
         import obstore
 
         try:
-            return bytes(obstore.get(self._store, _check_key(key)).bytes())
+            got = obstore.get(self._store, _check_key(key))
+            return bytes(got.bytes()), self._entry(got.meta)
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, key) from None
 
@@ -351,3 +439,15 @@ def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Sto
     if "://" in text and not text.startswith("file://"):
         raise StorageError(f"{text}: not a folder or an s3:// URL (the stores this project reads and writes)")
     return LocalStore(Path(text.removeprefix("file://")))
+
+
+def as_store(where: Path | Store | str) -> Store:
+    """A store as given, or the one a path or URL names (``open_store``)."""
+    return open_store(where) if isinstance(where, (str, Path)) else where
+
+
+@functools.lru_cache(maxsize=32)
+def cached_store(url: str) -> Store:
+    """The store ``url`` names, one per process and URL: a Spark worker's tasks share its client (an S3 client per
+    task would cost a connection each)."""
+    return open_store(url)

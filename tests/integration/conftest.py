@@ -3,6 +3,7 @@ another role)."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from photon.registry.admin import init_registry
 from photon.registry.cluster import LocalCluster
+from photon.tools import storage_server
 from tests.integration.spark_server import free_port, spark_connect_server
 
 
@@ -44,3 +46,24 @@ def warm_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     where = tmp_path_factory.mktemp("spark-connect")
     with spark_connect_server(where / "home", where / "spark-connect.log", free_port()):
         yield where / "home"
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[storage_server.Server]:
+    """A local S3 server (SeaweedFS, as `photon storage up` starts it) for the module's tests; stopped after."""
+    folder = tmp_path_factory.mktemp("s3")
+    s = storage_server.start(folder)
+    try:
+        yield s
+    finally:
+        storage_server.stop(folder)
+
+
+@pytest.fixture
+def bucket(s3_server: storage_server.Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bucket of the test's own, the AWS variables pointing at the server."""
+    name = f"t-{secrets.token_hex(6)}"
+    storage_server.create_bucket(s3_server, name)
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return name

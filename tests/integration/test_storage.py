@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -26,26 +25,6 @@ from photon.tools import storage_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[storage_server.Server]:
-    folder = tmp_path_factory.mktemp("s3")
-    s = storage_server.start(folder)
-    try:
-        yield s
-    finally:
-        storage_server.stop(folder)
-
-
-@pytest.fixture
-def bucket(server: storage_server.Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A bucket of the test's own, the AWS variables pointing at the server."""
-    name = f"t-{secrets.token_hex(6)}"
-    storage_server.create_bucket(server, name)
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    return name
 
 
 # Keys from a few parts, so that random operations hit the same keys, and whose order tests the listing's: "a-b/x"
@@ -170,7 +149,8 @@ def test_errors_are_one_line_and_name_the_store_never_the_secret(bucket: str, mo
         open_store("gs://bucket/x")
 
 
-def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(server: storage_server.Server) -> None:
+def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(s3_server: storage_server.Server) -> None:
+    server = s3_server
     assert storage_server.start(server.folder) == server  # a second start finds it running
     proc = psutil.Process(server.pid)
     listening = [c.laddr for p in [proc, *proc.children(recursive=True)] for c in p.net_connections("inet")]

@@ -79,6 +79,14 @@ def test_only_partitions_from_the_mark_on_are_listed_and_the_mark_moves_past_sea
     assert [n.rsplit("/", 1)[1] for n in taken] == ["recovered-1.jsonl", "1.1.1.1-1-3.jsonl"]
 
 
+def as_seen(path: Path) -> tuple[int, str]:
+    """A file's (size, tag) as a folder's listing shows it: what a driver that saw it settle hands its task."""
+    from photon.storage import LocalStore
+
+    e = LocalStore.entry_of(path.name, os.stat(path))
+    return e.size, e.etag
+
+
 def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_path: Path) -> None:
     """EVENTS.md's rule for closed files, the reader's side: a fresh file that is empty or ends mid-line (a copy
     still being written) is not taken, and the listing mark stays at its partition so it is listed again; a fresh
@@ -122,9 +130,9 @@ def test_a_file_still_being_copied_waits_and_a_whole_one_is_taken_at_once(tmp_pa
     assert joiner.discovery.next_marks["clicks"] == old_part  # torn.jsonl is listed again
     # The task's own check, for a file that changed between the listing and the read.
     assert read_whole(torn)[0] is None and read_whole(empty)[0] is None
-    st = os.stat(torn)
-    assert read_whole(torn, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'  # as the driver saw it settle
-    assert read_whole(torn, (st.st_size - 1, st.st_mtime_ns))[0] is None  # changed since
+    size, tag = as_seen(torn)
+    assert read_whole(torn, settled_as=(size, tag))[0] == b'{"a": 1}\n{"a"'  # as the driver saw it settle
+    assert read_whole(torn, settled_as=(size - 1, tag))[0] is None  # changed since
     assert read_whole(whole)[0] == b'{"a": 1}\n'
     assert read_whole(clicks / "gone.jsonl")[0] is None
     # A file a task left for later keeps its kind's mark at or before its partition (None: every partition).
@@ -175,9 +183,8 @@ def test_a_torn_file_settles_by_what_the_reader_saw_never_by_its_modification_ti
     assert joiner.discovery.next_marks["clicks"] != part  # nothing left there: the mark moves on
     # The task reads a torn file only as the driver saw it settle (size, mtime); never by its mtime's age.
     t = joiner.batches._task("t", 0, tmp_path / "stage", 0, 1)
-    st = os.stat(ahead)
-    assert t.settled[f"clicks/{part}/ahead.jsonl"] == [st.st_size, st.st_mtime_ns]
-    assert read_whole(ahead, (st.st_size, st.st_mtime_ns))[0] == b'{"a": 1}\n{"a"'
+    assert t.settled[f"clicks/{part}/ahead.jsonl"] == list(as_seen(ahead))
+    assert read_whole(ahead, settled_as=as_seen(ahead))[0] == b'{"a": 1}\n{"a"'
     assert read_whole(behind)[0] is None
     # Changed between two listings: seen anew, and waits again.
     with open(behind, "ab") as fh:
@@ -245,7 +252,7 @@ def test_a_file_that_never_settles_holds_the_mark_at_most_the_seal_bound_then_is
     with open(growing, "ab") as fh:
         fh.write(b"\n{")
     as_listed = t.settled[f"clicks/{part}/growing.jsonl"]
-    assert read_whole(growing, (as_listed[0], as_listed[1]))[0] == b'{"a": 1}\n{'
+    assert read_whole(growing, settled_as=(as_listed[0], as_listed[1]))[0] == b'{"a": 1}\n{'
     caplog.clear()  # listed again (the task left it, say): still taken at once, said again
     with caplog.at_level(logging.ERROR, logger="photon.joiner"):
         assert joiner.discovery.new_files()[1] == [f"{part}/growing.jsonl"]

@@ -30,6 +30,7 @@ from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
 from photon.spark_session import is_remote
+from photon.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class BatchRunner:
         *,
         dc: str,
         pipeline: str,
-        logs: Path,
+        logs: Store,
         root: Path,
         servers: Mapping[str, str],
         spark: Any,
@@ -98,7 +99,8 @@ class BatchRunner:
             path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
             sources.append((kind, str(path), path.name))
         # No click registered (token 0); its made-up output stays in its own folder.
-        rows = self._job(self._task("warm-up", now, folder / "stage", 0, 0, root=folder / "out"), sources)
+        t = self._task("warm-up", now, folder / "stage", 0, 0, root=folder / "out", source_root=str(folder))
+        rows = self._job(t, sources)
         decided = sum(int(r["unjoinable"]) for r in rows)
         if decided != len(clicks) or any(int(r["joined"]) or int(r["retried"]) for r in rows):
             raise AssertionError(f"warm-up batch: {len(clicks)} made-up clicks, got {[r.asDict() for r in rows]}")
@@ -113,7 +115,9 @@ class BatchRunner:
         due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
         return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
 
-    def _task(self, tag: str, now: int, stage: Path, token: int, batch: int, root: Path | None = None) -> _Task:
+    def _task(
+        self, tag: str, now: int, stage: Path, token: int, batch: int, root: Path | None = None, source_root: str = ""
+    ) -> _Task:
         return _Task(
             dc=self.pipeline,
             tag=tag,
@@ -122,7 +126,8 @@ class BatchRunner:
             now=now,
             stage=str(stage),
             state=str(self.state_dir),  # the workers' EventStore caches are keyed by it
-            logs=str(self.logs / self.dc / "queries"),
+            logs=self.logs.child(f"{self.dc}/queries").url,
+            source_root=source_root or self.logs.child(self.dc).url,
             servers=tuple(sorted(self.servers.items())),
             token=token,
             bucket_s=self.s.bucket_s,
@@ -139,7 +144,7 @@ class BatchRunner:
             settle_s=self.s.settle_s,
             horizon_us=self.horizon_us,
             shared_index=str(self.shared_index) if self.shared_index is not None else None,
-            settled={f"{k}/{n}": [size, mtime] for (k, n), (size, mtime) in self.discovery.settled_as.items()},
+            settled={f"{k}/{n}": [size, tag] for (k, n), (size, tag) in self.discovery.settled_as.items()},
             replication=replication_mode(),
             # Checked on a Spark Connect server only: its workers outlive any one joiner, so they may hold older code.
             code=code_fingerprint(self.s.adapter) if is_remote(self.spark) else "",
@@ -172,8 +177,7 @@ class BatchRunner:
         t = self._task(tag, now, self.staging / tag, lease.token(k).value, k)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
 
-        sources = [("queries", str(self.logs / self.dc / "queries" / n), n) for n in q_files]
-        sources += [("clicks", str(self.logs / self.dc / "clicks" / n), n) for n in c_files]
+        sources = [("queries", "", n) for n in q_files] + [("clicks", "", n) for n in c_files]  # in t.source_root
         if self.retry_dir is not None:
             sources += [("retries", str(p), p.name) for p in sorted(self.retry_dir.glob("*.parquet"))]
         counts = dict.fromkeys(JOIN_COUNTS, 0)

@@ -49,7 +49,7 @@ JOIN_COUNTS = (
     "registry_retries",
 )
 RECOVERED_PREFIX = "recovered-"  # the verifier's re-dispatched clicks: taken first, their deadline from then
-AS_IT_IS = (-1, -1)  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
+AS_IT_IS = (-1, "")  # ``read_whole``'s ``settled_as`` for a file still changing past the seal bound: read as it is
 
 # Where a new live pipeline starts reading (README, "Where a live pipeline starts"): every file in the logs, the
 # registry server's clock when the pipeline is created, or a time in epoch microseconds.

@@ -28,35 +28,46 @@ from pathlib import Path
 from typing import Any
 
 from photon.joiner.common import AS_IT_IS, RECOVERED_PREFIX, US, JoinSettings
-from photon.joiner.eventstore import open_regular
 from photon.joiner.tasks import ends_whole
-from photon.logs.layout import MINUTE_US, list_closed, part_of_name, partition_of, partition_start_us, sealed_before
+from photon.logs.layout import (
+    MINUTE_US,
+    LogFile,
+    list_closed,
+    part_of_name,
+    partition_of,
+    partition_start_us,
+    sealed_before,
+)
 from photon.logs.schemas import RAW_CAP_BYTES
 from photon.registry.clock import ServerClock
+from photon.storage import Entry, LocalStore, NotFoundError, Store, as_store
 
 log = logging.getLogger(__name__)
 
 
 class Discovery:
-    def __init__(self, logs: Path, dc: str, pipeline: str, settings: JoinSettings, clock: ServerClock):
-        """Lists ``<logs>/<dc>``, for pipeline ``pipeline`` (its name in logs), by the registry server's ``clock``."""
-        self.logs, self.dc, self.pipeline, self.s, self.clock = logs, dc, pipeline, settings, clock
+    def __init__(self, logs: Path | Store, dc: str, pipeline: str, settings: JoinSettings, clock: ServerClock):
+        """Lists ``<logs>/<dc>`` (a folder or an object store), for pipeline ``pipeline`` (its name in logs), by the
+        registry server's ``clock``."""
+        self.store = logs if not isinstance(logs, Path) else LocalStore(logs)
+        self.dc, self.pipeline, self.s, self.clock = dc, pipeline, settings, clock
+        self.kinds = {kind: self.store.child(f"{dc}/{kind}") for kind in ("queries", "clicks")}
         self.consumed: set[tuple[str, str]] = set()
         # Per kind, the oldest log partition still to list (layout.py); None: every partition.
         self.marks: dict[str, str | None] = {"queries": None, "clicks": None}
         self.next_marks: dict[str, str | None] = dict(self.marks)  # the marks the next batch commits
         self.start_us: int | None = None  # where this live pipeline started (None: the beginning of the logs)
-        self._first_ts: dict[Path, int] = {}
-        # (kind, file) -> (size, mtime_ns) as this lease's batches read it: a consumed file that changes after is
+        self._first_ts: dict[tuple[str, str], int] = {}
+        # (kind, file) -> (size, etag, inode) as this lease's batches read it: a consumed file that changes after is
         # reported once (``changed``, quarantined by the next batch), never silently left half read.
-        self._read_sizes: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._read_sizes: dict[tuple[str, str], tuple[Any, ...]] = {}
         self.changed: list[dict[str, Any]] = []
-        # Files seen torn or empty: (size, mtime_ns, monotonic time seen so since, first seen changing), and those
-        # seen settle (``_settled``)
-        self._seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
-        self.settled_as: dict[tuple[str, str], tuple[int, int]] = {}
+        # Files seen torn or empty: (size, etag, monotonic time seen so since, first seen changing), and those seen
+        # settle (``_settled``)
+        self._seen: dict[tuple[str, str], tuple[int, str, float, float]] = {}
+        self.settled_as: dict[tuple[str, str], tuple[int, str]] = {}
         self._not_files: set[tuple[str, str]] = set()
-        self._whole: dict[tuple[str, str], tuple[int, int, int]] = {}  # listed, not consumed, seen whole: as stat-ed
+        self._whole: dict[tuple[str, str], str] = {}  # listed, not consumed, seen whole: its etag then
 
     def restart(
         self, marks: dict[str, str | None], consumed: set[tuple[str, str]], start_us: int | None = None
@@ -86,36 +97,39 @@ class Discovery:
         sealed and left with nothing to consume."""
         sealed = sealed_before(self.clock.now_us(), self.s.seal_s)  # the server's clock: marks never move back
 
-        seen: dict[tuple[str, str], tuple[int, int, float, float]] = {}
-        whole: dict[tuple[str, str], tuple[int, int, int]] = {}
+        seen: dict[tuple[str, str], tuple[int, str, float, float]] = {}
+        whole: dict[tuple[str, str], str] = {}
         self.settled_as = {}
 
         def listing(kind: str, cap: int | None) -> list[str]:
-            folder = self.logs / self.dc / kind
+            store = self.kinds[kind]
             new, settling = [], []
-            for f in list_closed(folder, self.marks[kind]):
+            for f in list_closed(store, self.marks[kind]):
                 if (kind, f.rel) in self.consumed:
-                    self._check_consumed(kind, folder, f.rel)
+                    self._check_consumed(kind, store, f)
                     continue
+                entry = f.entry
                 try:
-                    path = os.path.join(folder, f.rel)  # a str: a Path per file is most of a backlog's listing time
-                    st = os.stat(path)
-                    if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
-                        if (kind, f.rel) not in self._not_files:
-                            self._not_files.add((kind, f.rel))
-                            log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
-                        continue
-                    if not self._settled(kind, f.rel, path, st, seen, whole):
+                    if entry is None:  # a folder's file, stat-ed only now (a backlog's listing is mostly consumed)
+                        path = os.path.join(store.root, f.rel)  # type: ignore[attr-defined]  # a str: cheaper
+                        st = os.stat(path)
+                        if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
+                            if (kind, f.rel) not in self._not_files:
+                                self._not_files.add((kind, f.rel))
+                                log.error("%s: %s/%s is not a regular file: skipped", self.pipeline, kind, f.rel)
+                            continue
+                        entry = LocalStore.entry_of(f.rel, st)
+                    if not store.atomic and not self._settled(kind, store, entry, seen, whole):
                         settling.append(f.rel)  # a copy still being written: no batch for it yet
                         continue
-                except FileNotFoundError:
+                except FileNotFoundError:  # gone since it was listed
                     continue
-                except OSError as exc:  # unreadable now (permissions, a stale NFS handle): held, and said
+                except OSError as exc:  # unreadable now (permissions, a stale NFS handle): held, said
                     log.error("%s: %s/%s cannot be read yet: %s", self.pipeline, kind, f.rel, exc)
                     settling.append(f.rel)
                     continue
-                new.append((not f.name.startswith(RECOVERED_PREFIX), st.st_mtime_ns, f.rel))
-            mine = [n for _, _, n in sorted(new) if self._in_window(kind, folder, n)]
+                new.append((not f.name.startswith(RECOVERED_PREFIX), entry.modified_us, f.rel))
+            mine = [n for _, _, n in sorted(new) if self._in_window(kind, n)]
             chosen = mine[:cap] if cap is not None else mine
             taken = set(chosen)
             # A live pipeline's history before its start is never its own (a closed file's first event never
@@ -134,23 +148,22 @@ class Discovery:
         self._seen, self._whole = seen, whole  # only files listed now: bounded by them, not every file ever listed
         return found
 
-    def _settled(
-        self, kind: str, rel: str, path: str, st: os.stat_result, seen: dict[Any, Any], whole: dict[Any, Any]
-    ) -> bool:
-        """Whether a listed file may be read now: it ends with a newline (whole: at once), or this lease has seen it
-        with the same size and mtime for ``settle_s`` by its own monotonic clock (an empty or torn-tailed file: a
-        copy still being written, or a crashed writer's). Never by the mtime's age: the file server's clock may be
-        the maximum skew off this host's, either way, or set by ``touch -d``. A settled torn file is read only as
-        seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60 s) since first seen so is
-        taken as it is then, with a logged error: waiting longer would hold the listing mark back for good (every
-        batch listing every partition since); what it gains after is reported as a consumed file's change."""
-        sig = (st.st_size, st.st_mtime_ns, st.st_ino)
-        if self._whole.get((kind, rel)) == sig or ends_whole(path, st):
-            whole[(kind, rel)] = sig  # not opened again while it stays so (a backlog is listed at every batch)
+    def _settled(self, kind: str, store: Store, e: Entry, seen: dict[Any, Any], whole: dict[Any, Any]) -> bool:
+        """Whether a listed file of a folder may be read now: it ends with a newline (whole: at once), or this lease
+        has seen it with the same size and tag (inode, size, mtime) for ``settle_s`` by its own monotonic clock (an
+        empty or torn-tailed file: a copy still being written, or a crashed writer's). Never by the mtime's age: the
+        file server's clock may be the maximum skew off this host's, either way, or set by ``touch -d``. A settled
+        torn file is read only as seen (``_Task.settled``). One still changing after the seal bound (``seal_s``, 60
+        s) since first seen so is taken as it is then, with a logged error: waiting longer would hold the listing
+        mark back for good (every batch listing every partition since); what it gains after is reported as a
+        consumed file's change. (An object store's objects appear whole: never asked.)"""
+        key = (kind, e.key)
+        if self._whole.get(key) == e.etag or ends_whole(store, e):
+            whole[key] = e.etag  # not opened again while it stays so (a backlog is listed at every batch)
             return True
         now = time.monotonic()
-        size, mtime, since, first = self._seen.get((kind, rel), (-1, -1, now, now))
-        if (size, mtime) != (st.st_size, st.st_mtime_ns):
+        size, etag, since, first = self._seen.get(key, (-1, "", now, now))
+        if (size, etag) != (e.size, e.etag):
             since = now
         overdue = now - first >= self.s.seal_s
         if now - since >= self.s.settle_s or overdue:
@@ -158,76 +171,74 @@ class Discovery:
                 log.error(
                     "%s: %s/%s still changing %.0f s after it was first listed (%d bytes now): taken as it is; a "
                     "closed file must be renamed into place whole (EVENTS.md)",
-                    self.pipeline, kind, rel, now - first, st.st_size,
+                    self.pipeline, kind, e.key, now - first, e.size,
                 )  # fmt: skip
-            self.settled_as[(kind, rel)] = AS_IT_IS if overdue else (st.st_size, st.st_mtime_ns)
-        seen[(kind, rel)] = (st.st_size, st.st_mtime_ns, since, first)  # kept while listed (taken, not consumed yet)
-        return (kind, rel) in self.settled_as
+            self.settled_as[key] = AS_IT_IS if overdue else (e.size, e.etag)
+        seen[key] = (e.size, e.etag, since, first)  # kept while listed (taken, not consumed yet)
+        return key in self.settled_as
 
-    def _check_consumed(self, kind: str, folder: Path, rel: str) -> None:
+    def _check_consumed(self, kind: str, store: Store, f: LogFile) -> None:
         """A file this lease consumed must never change (EVENTS.md). If it did (appended in place, a copy that paused
-        at a line's end, a replica re-shipped), say so once: a logged error now, and a quarantine record naming the
-        file and the bytes never read, written by the next batch."""
+        at a line's end, a replica re-shipped, an object put again under its key: another ETag), say so once: a
+        logged error now, and a quarantine record naming the file and the bytes never read, written by the next
+        batch."""
+        rel = f.rel
         seen = self._read_sizes.get((kind, rel))
         if seen is None:
             return
         try:
-            st = os.stat(folder / rel)
-        except FileNotFoundError:
+            e = f.entry or store.head(rel)
+        except OSError as exc:
+            log.error("%s: %s/%s cannot be checked: %s", self.pipeline, kind, rel, exc)
             return
-        if (st.st_size, st.st_mtime_ns, st.st_ino) == seen:
+        if e is None or (e.size, e.etag, e.inode) == seen:
             return
         del self._read_sizes[(kind, rel)]  # reported once
         size = seen[0]
         raw = b""
-        if st.st_ino != seen[2]:  # another file renamed into its place: none of it read
-            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
-                raw = fh.read(RAW_CAP_BYTES)
+        if store.atomic or e.inode != seen[2]:  # another file renamed into its place (another object): none read
+            with contextlib.suppress(OSError):
+                raw = store.get_ranges(rel, [(0, RAW_CAP_BYTES)])[0]
             size = 0
-            what = f"replaced by another file after it was consumed (its {st.st_size} bytes never read)"
-        elif st.st_size > size:
-            with contextlib.suppress(OSError), open_regular(folder / rel) as fh:
-                fh.seek(size)
-                raw = fh.read(RAW_CAP_BYTES)
-            what = f"{st.st_size - size} bytes appended after it was consumed (bytes {size}..{st.st_size} never read)"
+            what = f"replaced by another file after it was consumed (its {e.size} bytes never read)"
+        elif e.size > size:
+            with contextlib.suppress(OSError):
+                raw = store.get_ranges(rel, [(size, size + RAW_CAP_BYTES)])[0]
+            what = f"{e.size - size} bytes appended after it was consumed (bytes {size}..{e.size} never read)"
         else:
-            what = f"rewritten after it was consumed ({size} bytes read, {st.st_size} bytes now; the change not read)"
+            what = f"rewritten after it was consumed ({size} bytes read, {e.size} bytes now; the change not read)"
         reason = f"closed file changed: {what}; writers must rename a file into place whole (EVENTS.md)"
         log.error("%s: %s/%s: %s", self.pipeline, kind, rel, reason)
         self.changed.append(
-            {"kind": kind, "file": rel, "line": 0, "raw": raw, "raw_bytes": max(0, st.st_size - size), "reason": reason}
+            {"kind": kind, "file": rel, "line": 0, "raw": raw, "raw_bytes": max(0, e.size - size), "reason": reason}
         )
 
-    def _behind_marks(self, path: Path) -> bool:
+    def _behind_marks(self, kind: str, rel: str) -> bool:
         """A log file in a partition behind its kind's mark: it is never listed again."""
-        rel = path.relative_to(self.logs / self.dc)  # <kind>/<day>/<minute>/<name>, or <kind>/<name>
-        if len(rel.parts) != 4:
-            return False
-        mark = self.marks.get(rel.parts[0])
-        return mark is not None and f"{rel.parts[1]}/{rel.parts[2]}" < mark
+        part, mark = part_of_name(rel), self.marks.get(kind)
+        return part is not None and mark is not None and part < mark
 
-    def _in_window(self, kind: str, folder: Path, rel: str) -> bool:
+    def _in_window(self, kind: str, rel: str) -> bool:
         """Whether a listed file is this pipeline's: in a backfill's window, or not history before a live pipeline's
         start (``is_after_start``)."""
         s = self.s
-        path = folder / rel
         try:
             if s.window_start_us is None or s.window_end_us is None:
                 if self.start_us is None or kind != "clicks":
                     return True
-                return is_after_start(rel, self.start_us, lambda: self._first_event(path))
+                return is_after_start(rel, self.start_us, lambda: self._first_event(kind, rel))
             start, end = s.window_start_us, s.window_end_us
             if kind == "queries":
                 start -= int((s.max_join_delay_s + s.window_margin_s) * US)
                 end += int(s.window_margin_s * US)
-            return start <= self._first_event(path) < end
-        except OSError:  # gone or unreadable since it was listed: the batch's reading of it decides (and says)
+            return start <= self._first_event(kind, rel) < end
+        except OSError:  # gone or unreadable since it was listed: the batch's reading decides (and says)
             return True
 
-    def _first_event(self, path: Path) -> int:
-        if path not in self._first_ts:
-            self._first_ts[path] = first_event_us(path)
-        return self._first_ts[path]
+    def _first_event(self, kind: str, rel: str) -> int:
+        if (kind, rel) not in self._first_ts:
+            self._first_ts[(kind, rel)] = first_event_us(self.kinds[kind], rel)
+        return self._first_ts[(kind, rel)]
 
     def committed(
         self,
@@ -248,7 +259,7 @@ class Discovery:
                 for kind, n in self.consumed
                 if (p := part_of_name(n)) is None or (m := marks[kind]) is None or p >= m
             }
-            self._first_ts = {p: ts for p, ts in self._first_ts.items() if not self._behind_marks(p)}
+            self._first_ts = {f: ts for f, ts in self._first_ts.items() if not self._behind_marks(*f)}
             self._read_sizes = {f: v for f, v in self._read_sizes.items() if f in self.consumed}
 
 
@@ -281,7 +292,7 @@ def is_after_start(rel: str, start_us: int, first_event: Callable[[], int]) -> b
     return (part is not None and part >= partition_of(start_us)) or first_event() >= start_us
 
 
-def oldest_partition(folder: Path) -> str | None:
+def oldest_partition(folder: Path | Store) -> str | None:
     """The oldest partition of ``folder`` (``<logs>/<dc>/<kind>``) holding a closed file; None if there is none."""
     for f in list_closed(folder):
         if f.part is not None:
@@ -291,7 +302,7 @@ def oldest_partition(folder: Path) -> str | None:
 
 def history_left(
     cur: Any,
-    folder: Path,
+    folder: Path | Store,
     start_us: int,
     pipelines: list[str],
     seal_s: float,
@@ -328,14 +339,14 @@ def history_left(
             left.append(rel)
             continue
         try:
-            if not is_after_start(rel, start_us, partial(first_event_us, folder / rel)):
+            if not is_after_start(rel, start_us, partial(first_event_us, folder, rel)):
                 left.append(rel)
         except OSError:  # gone since it was listed: nothing to join
             continue
     hours: set[str] = set()
     for rel in left[:cap]:
         with contextlib.suppress(OSError):
-            hours.add(datetime.fromtimestamp(first_event_us(folder / rel) // US, tz=UTC).strftime("%Y-%m-%dT%H"))
+            hours.add(datetime.fromtimestamp(first_event_us(folder, rel) // US, tz=UTC).strftime("%Y-%m-%dT%H"))
     return {
         "start_us": start_us,
         "since": since,
@@ -355,11 +366,14 @@ def _marks_before(marks: dict[str, str | None], skipped: set[tuple[str, str]]) -
     return marks
 
 
-def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:
+def first_event_us(folder: Path | Store, rel: str | None = None, peek_bytes: int = 1 << 16) -> int:
     """The timestamp of a log file's first well-formed line within its first ``peek_bytes`` (a closed file never
-    changes, so this is asked once per file); the file's modification time where none parses there."""
-    with open(path, "rb") as fh:
-        head = fh.read(peek_bytes)
+    changes, so this is asked once per file); the file's modification time where none parses there. The file:
+    ``rel`` in ``folder`` (a folder or a store), or the path ``folder`` itself. OSError if it is gone or
+    unreadable."""
+    store: Store = LocalStore(folder.parent) if isinstance(folder, Path) and rel is None else as_store(folder)
+    key = folder.name if isinstance(folder, Path) and rel is None else str(rel)
+    head = store.get_ranges(key, [(0, peek_bytes)])[0]
     for line in head.split(b"\n")[:-1] if len(head) == peek_bytes else head.split(b"\n"):
         try:
             ts = json.loads(line).get("ts_us")
@@ -367,4 +381,7 @@ def first_event_us(path: Path, peek_bytes: int = 1 << 16) -> int:
             continue
         if isinstance(ts, int) and not isinstance(ts, bool):
             return ts
-    return int(path.stat().st_mtime * US)
+    entry = store.head(key)
+    if entry is None:
+        raise NotFoundError(f"{store.url}: {key}: no such object")
+    return entry.modified_us

@@ -21,11 +21,8 @@ Stores written before the index (``.parquet`` files holding whole queries) are s
 
 from __future__ import annotations
 
-import errno
 import logging
-import mmap
 import os
-import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,6 +36,7 @@ import pyarrow.parquet as pq
 
 from photon.durable import CorruptStateError, write_durably
 from photon.logs.ids import valid_ids
+from photon.storage import Store, as_store, cached_store
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -101,9 +99,10 @@ class LookupStats:
 class EventStoreCache:
     """Per-process cache of stored buckets for one pipeline's EventStore, over one data center's query logs."""
 
-    def __init__(self, root: Path, logs: Path, max_buckets: int, max_rows: int = 20_000_000):
+    def __init__(self, root: Path, logs: Path | str | Store, max_buckets: int, max_rows: int = 20_000_000):
         self.root = root
-        self.logs = logs  # <logs>/<dc>/queries: index rows name their files relative to it
+        # <logs>/<dc>/queries, a folder or a store: index rows name their files relative to it
+        self.logs = cached_store(logs) if isinstance(logs, str) else as_store(logs)
         self.max_buckets = max(1, max_buckets)
         self.max_rows = max(1, max_rows)  # memory bound, at about 60 bytes per indexed query
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
@@ -186,14 +185,24 @@ class EventStoreCache:
         unread = 0
         for code in np.unique(codes).tolist():
             at = order[np.searchsorted(codes[order], code) : np.searchsorted(codes[order], code, side="right")]
-            path = self.logs / names[code]
+            spans = list(zip(offsets[at].tolist(), lengths[at].tolist(), strict=True))
             try:
-                with open_regular(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    for i, o, ln in zip(at.tolist(), offsets[at].tolist(), lengths[at].tolist(), strict=True):
-                        lines[i] = _indexed_line(mm, o, ln)
-            except (OSError, ValueError) as exc:  # gone, or emptied (mmap refuses an empty file)
-                log.error("EventStore: %d quer(ies) indexed in %s cannot be read back: %s", len(at), path, exc)
+                got = self.logs.get_ranges(names[code], [(o, o + ln) for o, ln in spans])
+            except OSError as exc:  # gone (a store's errors are OSErrors too)
+                log.error("EventStore: %d quer(ies) indexed in %s cannot be read back: %s", len(at), names[code], exc)
                 unread += len(at)
+                continue
+            short = 0
+            for i, raw, (_, ln) in zip(at.tolist(), got, spans, strict=True):
+                lines[i] = _indexed_line(raw, ln)
+                short += len(raw) != ln
+            if short:  # truncated or emptied since: said per file, as a file gone is
+                log.error(
+                    "EventStore: %d quer(ies) indexed in %s cannot be read back: the file ends before them",
+                    short,
+                    names[code],
+                )
+                unread += short
         stats.lines_read += n
         # Lines were valid when indexed: parse them together (Arrow's fast path). Each event is matched to the line
         # it came from by its offset, and must be the very query indexed there (same id and time).
@@ -261,24 +270,10 @@ class EventStoreCache:
         return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """``path`` opened for reading, if it is a regular file; OSError otherwise. Never blocks: a named pipe put in a
-    log file's place would make a plain ``open`` wait for a writer for good."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _indexed_line(mm: mmap.mmap, offset: int, length: int) -> bytes:
-    """The bytes an index row names, or ``b""`` (a blank line: parsed as no event, so a miss) where they can no longer
-    be one line: the file was truncated or rewritten, and the slice ends early or holds a newline and part of another
-    line (a replica re-shipped with its lines in another order)."""
-    raw = mm[offset : offset + length]
+def _indexed_line(raw: bytes, length: int) -> bytes:
+    """The bytes an index row names (``raw``, read from its offset), or ``b""`` (a blank line: parsed as no event, so
+    a miss) where they can no longer be one line: the file was truncated or rewritten, and the slice ends early or
+    holds a newline and part of another line (a replica re-shipped with its lines in another order)."""
     return raw if len(raw) == length and b"\n" not in raw else b""
 
 
@@ -317,11 +312,16 @@ _CACHES: dict[str, EventStoreCache] = {}
 MAX_CACHES = 4
 
 
-def cache_for(root: Path, logs: Path, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
-    """The process's cache for one pipeline's store (Python workers are reused across tasks and batches)."""
+def cache_for(root: Path, logs: str, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
+    """The process's cache for one pipeline's store (Python workers are reused across tasks and batches); ``logs``:
+    the URL (or folder) of ``<logs>/<dc>/queries``."""
     key = str(root)
     cache = _CACHES.pop(key, None)
-    if cache is None or (cache.logs, cache.max_buckets, cache.max_rows) != (logs, max_buckets, max_rows):
+    if cache is None or (cache.logs.url, cache.max_buckets, cache.max_rows) != (
+        cached_store(logs).url,
+        max_buckets,
+        max_rows,
+    ):
         cache = EventStoreCache(root, logs, max_buckets, max_rows)
     _CACHES[key] = cache  # last: the most recently used
     while len(_CACHES) > MAX_CACHES:

@@ -40,6 +40,7 @@ from photon.logs.layout import partition_start_us
 from photon.logs.tables import ensure_tables
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.spark_session import default_parallelism
+from photon.storage import open_store
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Joiner:
     def __init__(
         self,
         dc: str,
-        logs: Path,
+        logs: Path | str,
         out: Path,
         servers: Mapping[str, str],
         spark: Any,
@@ -65,8 +66,10 @@ class Joiner:
         is named after the data center unless given, as a backfill names its own. ``clock``: the registry main
         server's (measured here unless given)."""
         # Absolute: the executors (a Spark Connect server's workers, a cluster's) have working folders of their own.
-        logs, out = Path(logs).resolve(), Path(out).resolve()
-        self.dc, self.logs, self.out = dc, logs, out
+        # An s3:// URL: read through the store by the driver and by every executor, with the workers' credentials.
+        self.logs = open_store(logs if str(logs).startswith("s3://") else Path(logs).resolve())
+        out = Path(out).resolve()
+        self.dc, self.out = dc, out
         self.pipeline = pipeline or dc
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,30}", self.pipeline):
             raise ValueError(
@@ -84,14 +87,14 @@ class Joiner:
         ensure_tables(self.root)  # before any lease: an --out holding something else is refused, untouched
         self.lease: Lease | None = None
         self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
-        self.discovery = Discovery(logs, dc, self.pipeline, self.s, self.clock)
+        self.discovery = Discovery(self.logs, dc, self.pipeline, self.s, self.clock)
         self.stopping = threading.Event()  # set by stop(): the loop ends after the batch in progress
         self.stopped_by: str | None = None
         self.term = Term(self.state, self.pipeline, self.s.trigger_interval_s, self.stopping)
         self.batches = BatchRunner(
             dc=dc,
             pipeline=self.pipeline,
-            logs=logs,
+            logs=self.logs,
             root=self.root,
             servers=self.servers,
             spark=spark,
@@ -203,7 +206,7 @@ class Joiner:
                 *(self.pipeline, _when(start_us), marks["clicks"], marks["queries"], _when(start_us)),
             )
             return
-        oldest = oldest_partition(self.logs / self.dc / "clicks")
+        oldest = oldest_partition(self.logs.child(f"{self.dc}/clicks"))
         oldest_us = now_us if oldest is None else partition_start_us(oldest)
         if now_us - oldest_us > (self.s.max_join_delay_s + self.s.seal_s + 60) * US:  # more than what is in flight
             log.warning(
@@ -247,7 +250,7 @@ class Joiner:
         t0 = time.monotonic()
         built = ensure_indexed(
             self.spark,
-            self.logs / self.dc / "queries",
+            self.logs.child(f"{self.dc}/queries"),
             self.batches.shared_index,
             first=first,
             last=last,

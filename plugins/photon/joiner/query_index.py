@@ -33,8 +33,9 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
-from photon.logs.layout import SEAL_S, partition_of, sealed_before
+from photon.logs.layout import SEAL_S, list_closed, partition_of, sealed_before
 from photon.settings import MAX_CLOCK_SKEW_S, MAX_FUTURE_S, PLAUSIBLE_FROM_US
+from photon.storage import Store, as_store, cached_store
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -134,29 +135,18 @@ def prune(store: Path, horizon_us: int, bucket_s: int, max_clock_skew_s: float =
     return out
 
 
-def partitions_to_index(queries: Path, first: str, last: str, sealed: str) -> list[tuple[str, list[str]]]:
-    """The arrival partitions of ``queries`` (``<logs>/<dc>/queries``) from ``first`` to ``last`` (inclusive) that
-    are sealed (before ``sealed``), each with its closed files' names. Lists only the days in range."""
-    found = []
-    try:
-        days = sorted(d for d in os.listdir(queries) if len(d) == 8 and d.isdigit())
-    except FileNotFoundError:
-        return []
-    for day in (d for d in days if first[:8] <= d <= last[:8]):
-        try:
-            minutes = sorted(m for m in os.listdir(queries / day) if len(m) == 4 and m.isdigit())
-        except FileNotFoundError:
+def partitions_to_index(queries: Path | Store, first: str, last: str, sealed: str) -> list[tuple[str, list[str]]]:
+    """The arrival partitions of ``queries`` (``<logs>/<dc>/queries``, a folder or a store) from ``first`` to
+    ``last`` (inclusive) that are sealed (before ``sealed``), each with its closed files' names. Lists from ``first``
+    on only."""
+    found: dict[str, list[str]] = {}
+    for f in list_closed(queries, first):
+        if f.part is None:
             continue
-        for minute in minutes:
-            part = f"{day}/{minute}"
-            if not first <= part <= last or part >= sealed:
-                continue
-            try:
-                names = sorted(n for n in os.listdir(queries / part) if n.endswith(".jsonl") and n[0] != ".")
-            except FileNotFoundError:
-                continue
-            found.append((part, [f"{part}/{n}" for n in names]))
-    return found
+        if f.part > last or f.part >= sealed:
+            break  # oldest first: nothing later is in range
+        found.setdefault(f.part, []).append(f.rel)
+    return [(part, sorted(names)) for part, names in found.items()]
 
 
 def marker_name(part: str) -> str:
@@ -178,7 +168,7 @@ def _index_task(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from photon.durable import write_durably
-        from photon.joiner.eventstore import index_of, open_regular, write_index
+        from photon.joiner.eventstore import index_of, write_index
         from photon.logs.parse import parse_file_located
 
         limit = now_us + int(max_future_s * US)
@@ -188,8 +178,7 @@ def _index_task(
                 tables = []
                 for rel in files:
                     try:
-                        with open_regular(Path(queries) / rel) as fh:  # a named pipe must not hang the index
-                            content = fh.read()
+                        content = cached_store(queries).get(rel)  # a named pipe in a folder: an error, no hang
                         good, _, offsets, lengths = parse_file_located(rel, content, "queries")
                     except Exception as exc:  # a file gone or a parser bug: the partition is indexed without it
                         log.error("query index: %s/%s not indexed: %r", queries, rel, exc)
@@ -218,7 +207,7 @@ def _write_count(rows: int, fh: BinaryIO) -> None:
 
 def ensure_indexed(
     spark: Any,
-    queries: Path,
+    queries: Path | Store,
     root: Path,
     *,
     first: str,
@@ -244,7 +233,8 @@ def ensure_indexed(
         rows = (
             spark.range(0, n, 1, max(1, min(n, parallelism)))
             .mapInArrow(
-                _index_task(str(queries), str(root), todo, bucket_s, now_us, max_future_s), from_arrow_schema(BUILT)
+                _index_task(as_store(queries).url, str(root), todo, bucket_s, now_us, max_future_s),
+                from_arrow_schema(BUILT),
             )
             .collect()
         )

@@ -33,7 +33,6 @@ from photon.joiner.common import (
     US,
     check_code,
 )
-from photon.joiner.eventstore import open_regular
 from photon.joiner.query_index import REASON_QUERY_GC
 from photon.logs.ids import valid_ids
 from photon.logs.parse import (
@@ -56,6 +55,7 @@ from photon.logs.schemas import (
 from photon.logs.tables import stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
+from photon.storage import ChangingError, Entry, LocalStore, Store, as_store, cached_store
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class _Task:
     shared_index: str | None = None
     # "<kind>/<file>" -> [size, mtime_ns]: torn or empty files the driver saw unchanged for ``settle_s``, to be read
     # only exactly so (``read_whole``)
-    settled: dict[str, list[int]] = field(default_factory=dict)
+    settled: dict[str, list[Any]] = field(default_factory=dict)
     # The driver's replication rule (PHOTON_REGISTRY_REPLICATION) and code: a Spark Connect server's workers have
     # the server's environment, and may have imported older code.
     replication: str = "required"
@@ -238,47 +238,50 @@ class _Task:
     # <out>/<pipeline>: the output tables' folder, where the tasks write their data files ("": the stage's
     # <root>/_staging/<tag>)
     root: str = ""
+    source_root: str = ""  # <logs>/<dc>: a folder or an s3:// URL (credentials from each worker's environment)
 
     @property
     def tables_root(self) -> Path:
         return Path(self.root) if self.root else Path(self.stage).parent.parent
 
 
-def ends_whole(path: str | Path, st: os.stat_result) -> bool:
-    """Whether a listed log file (``st``) is not empty and ends with a newline: whole, as a rename puts it in place."""
-    if st.st_size == 0:
-        return False
-    with open(path, "rb") as fh:
-        return os.pread(fh.fileno(), 1, st.st_size - 1) == b"\n"
+def ends_whole(store: Store, e: Entry) -> bool:
+    """Whether a listed log file ``e`` is not empty and ends with a newline: whole, as a rename puts it in place."""
+    return e.size > 0 and store.get_ranges(e.key, [(e.size - 1, e.size)])[0] == b"\n"
 
 
-def read_whole(path: Path, settled_as: tuple[int, int] | None = None) -> tuple[bytes | None, int, int, int]:
-    """(content, size, mtime_ns, inode) of a closed log file, content None while the file is still changing: its size or
-    modification time moved while it was read, or it is empty or ends without a newline and is not exactly as the
-    driver saw it settle (``settled_as``: (size, mtime_ns), ``Discovery._settled``: a copy still being written; a
+def read_whole(
+    store: Store | Path, key: str | None = None, settled_as: tuple[int, str] | None = None
+) -> tuple[bytes | None, Entry | None]:
+    """(content, entry) of a closed log file (``key`` in ``store``, or the path ``store``), content None while the
+    file is still changing: it changed while it was read, or it is empty or ends without a newline and is not exactly
+    as the driver saw it settle (``settled_as``: (size, tag), ``Discovery._settled``: a copy still being written; a
     writer's torn tail is taken once it has settled), or it is gone (moved away since it was listed: listed again
     wherever it lands). The reader's side of EVENTS.md's rule "a closed file is whole and never changes". Never by
-    the age of its modification time: that is the file server's clock, up to the maximum skew off this host's."""
+    the age of its modification time: that is the file server's clock, up to the maximum skew off this host's. An
+    object store's object is whole as it is (a put is atomic)."""
+    if isinstance(store, Path) and key is None:
+        where: Store = LocalStore(store.parent)
+        key = store.name
+    else:
+        where = as_store(store)
+    assert key is not None
     try:
-        before = os.stat(path)
-        with open_regular(path) as fh:  # a named pipe in its place: an error, never a task blocked for good
-            content = fh.read()
-        after = os.stat(path)
-    except FileNotFoundError:
-        return None, 0, 0, 0
+        content, e = where.read(key)
+    except (FileNotFoundError, ChangingError):
+        return None, None
     except OSError as exc:  # not a regular file (any more), unreadable: left, and listed again
-        log.error("%s: cannot be read: %s", path, exc)
-        return None, 0, 0, 0
-    size, mtime, ino = after.st_size, after.st_mtime_ns, after.st_ino
-    if (before.st_size, before.st_mtime_ns, before.st_ino) != (size, mtime, ino) or len(content) != size:
-        return None, size, mtime, ino
-    if not content.endswith(b"\n") and (settled_as is None or tuple(settled_as) not in ((size, mtime), AS_IT_IS)):
-        return None, size, mtime, ino
-    return content, size, mtime, ino
+        log.error("%s: cannot be read: %s", key, exc)
+        return None, None
+    if where.atomic or content.endswith(b"\n"):
+        return content, e
+    if settled_as is None or tuple(settled_as) not in ((e.size, e.etag), AS_IT_IS):
+        return None, e
+    return content, e
 
 
-def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[int]]) -> None:
-    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, mtime, inode)
+def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[Any]]) -> None:
+    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, tag, inode)
     as read."""
     path = stage / READ_MARKERS / f"{name}.json"
     make_dirs(path.parent)
@@ -287,11 +290,11 @@ def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: d
     os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
 
 
-def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
-    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, mtime,
+def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[Any, ...]]]:
+    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, tag,
     inode)})."""
     skipped: set[tuple[str, str]] = set()
-    read: dict[tuple[str, str], tuple[int, ...]] = {}
+    read: dict[tuple[str, str], tuple[Any, ...]] = {}
     folder = stage / READ_MARKERS
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         marker = json.loads(path.read_text())
@@ -319,27 +322,32 @@ def _source_task(
         stored: list[pa.Table] = []
         first = None
         skipped: list[list[str]] = []
-        read: dict[str, list[int]] = {}
+        read: dict[str, list[Any]] = {}
         marker_name = ""
         for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
-            path = Path(path_s)
             if kind == "retries":
-                yield from pq.read_table(path, schema=CANDIDATE).to_batches()
+                yield from pq.read_table(path_s, schema=CANDIDATE).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
             as_seen = t.settled.get(f"{kind}/{rel}")
-            whole, size, mtime, ino = read_whole(path, (as_seen[0], as_seen[1]) if as_seen else None)
-            if whole is None:  # still being written: not consumed now, listed and read again by a later batch
-                log.warning("%s: still changing (%d bytes now); left for a later batch", path, size)
+            settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
+            if t.source_root:
+                whole, e = read_whole(cached_store(t.source_root).child(kind), rel, settled_as)
+            else:  # a task of a test: the file's path
+                whole, e = read_whole(Path(path_s), settled_as=settled_as)
+            if whole is None or e is None:  # still being written: not consumed now, listed and read again later
+                log.warning(
+                    "%s/%s: still changing (%d bytes now); left for a later batch", kind, rel, e.size if e else 0
+                )
                 skipped.append([kind, rel])
                 continue
-            read[f"{kind}/{rel}"] = [size, mtime, ino]  # the inode: a file replaced by a rename is another
+            read[f"{kind}/{rel}"] = [e.size, e.etag, e.inode]  # the inode: a file replaced by a rename is another
             content = whole
             try:
                 good, bad, offsets, lengths = parse_file_located(rel, content, kind)
             except Exception as exc:  # a parser bug must cost one file, never the pipeline
-                log.error("%s: quarantined whole: %r", path, exc)
+                log.error("%s/%s: quarantined whole: %r", kind, rel, exc)
                 good = (QUERY_FIELDS if kind == "queries" else CLICK_FIELDS).empty_table()
                 bad = _unparsable_file(rel, content, exc)
                 offsets = lengths = np.zeros(0, np.int64)
@@ -367,7 +375,9 @@ def _source_task(
                         "first_seen_us": pa.array(np.full(n, t.now, np.int64)),
                         "due_us": pa.array(np.full(n, t.now, np.int64)),
                         "recovered_us": pa.array(
-                            np.full(n, t.now, np.int64) if path.name.startswith(RECOVERED_PREFIX) else [None] * n,
+                            np.full(n, t.now, np.int64)
+                            if rel.rpartition("/")[2].startswith(RECOVERED_PREFIX)
+                            else [None] * n,
                             pa.int64(),
                         ),
                     },
@@ -476,10 +486,10 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
             live = live.filter(pa.array(~forgotten))
         # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries; for a backfill, then
         # the data center's shared query index.
-        cache = cache_for(state / "eventstore", Path(t.logs), t.cache_buckets, t.cache_max_rows)
+        cache = cache_for(state / "eventstore", t.logs, t.cache_buckets, t.cache_max_rows)
         queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
         if t.shared_index is not None and not hit.all():
-            shared = cache_for(Path(t.shared_index), Path(t.logs), t.cache_buckets, t.cache_max_rows)
+            shared = cache_for(Path(t.shared_index), t.logs, t.cache_buckets, t.cache_max_rows)
             ids = live.column("query_id").combine_chunks()
             queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits

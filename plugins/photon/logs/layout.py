@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from photon.settings import MAX_CLOCK_SKEW_S, time_bound_s
+from photon.storage import Entry, LocalStore, Store
 
 US = 1_000_000
 MINUTE_US = 60 * US
@@ -67,10 +68,15 @@ def part_of_name(rel: str) -> str | None:
 class LogFile:
     rel: str  # path relative to <logs>/<dc>/<kind>/
     part: str | None  # its partition; None directly in <kind>/
+    entry: Entry | None = None  # as listed from an object store (a folder's files are stat-ed by the caller)
 
     @property
     def name(self) -> str:
         return self.rel.rpartition("/")[2]
+
+
+def _is_log(name: str) -> bool:
+    return name.endswith(".jsonl") and not name.startswith(".")
 
 
 def _is_day(name: str) -> bool:
@@ -81,10 +87,21 @@ def _is_minute(name: str) -> bool:
     return len(name) == 4 and name.isdigit()
 
 
-def list_closed(folder: Path, since: str | None = None) -> Iterator[LogFile]:
+def list_closed(folder: Path | Store, since: str | None = None) -> Iterator[LogFile]:
     """Closed log files (``*.jsonl``) under ``folder`` = ``<logs>/<dc>/<kind>``: the flat ones, and those of every
-    partition at or after ``since`` (all of them if None), oldest partition first. No file is stat-ed: a caller
-    filters out what it has consumed first."""
+    partition at or after ``since`` (all of them if None), oldest partition first. A folder's files are not stat-ed
+    (a caller filters out what it has consumed first); an object store's come with their entries, listed from the
+    mark on (``since`` sorts before every key of its partition and after every key of the ones before)."""
+    if isinstance(folder, LocalStore):
+        folder = folder.root
+    if not isinstance(folder, Path):
+        yield from (LogFile(e.key, None, e) for e in folder.files() if _is_log(e.key))
+        for e in folder.listing(after=since):
+            parts = e.key.split("/")
+            day, minute, name = parts if len(parts) == 3 else ("", "", "")
+            if _is_day(day) and _is_minute(minute) and _is_log(name):
+                yield LogFile(e.key, f"{day}/{minute}", e)
+        return
     try:
         top = list(os.scandir(folder))
     except FileNotFoundError:
