@@ -386,3 +386,41 @@ def test_a_file_url_and_an_empty_path(tmp_path: Path) -> None:
     assert marker_path(f"file://{tmp_path}/out", hour, 2 * hour) == f"{tmp_path}/out/_final/1970010101.json"
     with pytest.raises(StorageError, match="empty"):
         open_store("")
+
+
+def test_a_listing_from_a_mark_reads_what_lies_after_it_not_what_lies_before(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: a batch's listing cost must be flat in the objects already in the bucket. Forty days of old
+    partitions lie before the mark; the listing from it gets the keys after it and reads (objects and folder names
+    the server returns) a few dozen entries, not the 400 before it; a backlog of more minute partitions than the
+    fan-out after the mark is listed whole, in order, as well."""
+    import obstore
+
+    s3 = S3Store(f"s3://{bucket}/{secrets.token_hex(4)}/clicks")
+    old = [f"202610{d:02d}/{m:04d}/f{i}.jsonl" for d in range(1, 21) for m in (1, 2) for i in range(10)]
+    new = ["20261120/1000/a.jsonl", "20261120/1001/b.jsonl", "20261121/0000/c.jsonl"]
+    backlog = [f"20261122/{m:04d}/x.jsonl" for m in range(30)]  # more than the fan-out: one listing of the day
+    for k in old + new + backlog:
+        s3.put(k, b"{}\n")
+    read = []
+    real_list, real_level = obstore.list, obstore.list_with_delimiter
+
+    def counting_list(*args: object, **kwargs: object) -> Iterator[list[dict[str, object]]]:
+        for chunk in real_list(*args, **kwargs):  # type: ignore[arg-type]
+            read.extend(chunk)
+            yield chunk
+
+    def counting_level(*args: object, **kwargs: object) -> dict[str, list[object]]:
+        level = real_level(*args, **kwargs)  # type: ignore[arg-type]
+        read.extend(level["objects"] + level["common_prefixes"])
+        return level  # type: ignore[return-value]
+
+    monkeypatch.setattr(obstore, "list", counting_list)
+    monkeypatch.setattr(obstore, "list_with_delimiter", counting_level)
+    assert [e.key for e in s3.listing(after="20261120/1000")] == new + backlog
+    assert len(read) < 60 + len(backlog), len(read)
+    read.clear()
+    assert [e.key for e in s3.listing(after="20261122/0028")] == backlog[-2:]  # a partition sorts before its keys
+    assert len(read) < 60, len(read)
+    assert [e.key for e in s3.listing()] == old + new + backlog
