@@ -370,7 +370,13 @@ def _parse_time(text: str) -> int:
 
 @app.command("generate")
 def generate_cmd(
-    logs: Annotated[Path, typer.Option(help="Folder to write <dc>/{queries,clicks}/ and _manifest/ into.")],
+    logs: Annotated[
+        str,
+        typer.Option(
+            help="Folder to write <dc>/{queries,clicks}/ and _manifest/ into, or s3://bucket/prefix (each file one "
+            "object; credentials and endpoint from the AWS_* variables; the manifest then in --manifest)."
+        ),
+    ],
     mode: Annotated[str, typer.Option(help="historical (a time range, as fast as possible) or live (real time).")] = (
         "historical"
     ),
@@ -391,6 +397,9 @@ def generate_cmd(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Any other setting as KEY=VALUE (repeatable).")] = (
         None
     ),
+    manifest: Annotated[
+        Path | None, typer.Option(help="Folder for the manifest (default: <logs>/_manifest; needed for s3:// logs).")
+    ] = None,
 ) -> None:
     """Write realistic query and click logs for each data center, with a ground-truth manifest."""
     import time
@@ -429,13 +438,14 @@ def generate_cmd(
             end_us=begin + int(duration * 1_000_000),
             live=live,
             on_progress=lambda done, total: bar.update(task, completed=done / 1e6),
+            manifest=manifest,
         )
     console.print(
         f"{report.mode}: {report.queries:,} queries, {report.clicks:,} clicks, {report.lines:,} lines per data center "
         f"({report.duplicate_lines:,} duplicated, {report.malformed_lines:,} malformed) in {report.files:,} files, "
         f"{report.bytes / 1e6:,.1f} MB per data center; {report.seconds:.1f}s, {report.events_per_s:,.0f} events/s"
     )
-    console.print(f"expected outcomes: {report.expect}; manifest in {logs / '_manifest'}")
+    console.print(f"expected outcomes: {report.expect}; manifest in {manifest or Path(logs) / '_manifest'}")
 
 
 @app.command("audit")

@@ -119,6 +119,14 @@ def _check_key(key: str) -> str:
     return key
 
 
+def _check_read_key(key: str) -> str:
+    """A key to read, list or delete: relative, no empty, '.' or '..' part, no NUL. Looser than ``_check_key`` (what
+    a put may create): an object someone else named (a backslash, a control character) must still read back."""
+    if not key or "\0" in key or any(p in ("", ".", "..") for p in key.split("/")):
+        raise StorageError(f"not a key: {key!r} (relative, '/'-separated, no empty, '.' or '..' part)")
+    return key
+
+
 class LocalStore:
     """A folder (see the module's text)."""
 
@@ -132,7 +140,7 @@ class LocalStore:
         return f"LocalStore({self.url})"
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        return self.root / _check_read_key(key)
 
     @staticmethod
     def entry_of(key: str, st: os.stat_result) -> Entry:
@@ -231,8 +239,11 @@ class LocalStore:
                 size = os.fstat(fd).st_size
                 if not size:
                     return [b""] * len(ranges)
-                with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-                    return [mm[start:end] if end > start else b"" for start, end in ranges]
+                try:
+                    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                        return [mm[start:end] if end > start else b"" for start, end in ranges]
+                except ValueError:  # emptied since the fstat (mmap refuses an empty file): read as it is now
+                    pass
             return [os.pread(fd, max(0, end - start), start) for start, end in ranges]
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
@@ -244,7 +255,7 @@ class LocalStore:
             raise StorageError(f"{self.url}: {key}: {exc.strerror or exc}") from None
 
     def _put(self, key: str, data: bytes, if_absent: bool) -> bool:
-        path = self._path(key)
+        path = self.root / _check_key(key)
         make_dirs(path.parent)
         tmp = path.with_name(f".{secrets.token_hex(8)}{TMP_SUFFIX}")
         try:
@@ -365,7 +376,7 @@ class S3Store:
         import obstore
 
         try:
-            return self._entry(obstore.head(self._store, _check_key(key)))
+            return self._entry(obstore.head(self._store, _check_read_key(key)))
         except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
             return None
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
@@ -378,7 +389,7 @@ class S3Store:
         import obstore
 
         try:
-            got = obstore.get(self._store, _check_key(key))
+            got = obstore.get(self._store, _check_read_key(key))
             return bytes(got.bytes()), self._entry(got.meta)
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, key) from None
@@ -411,7 +422,7 @@ class S3Store:
         try:
             got = obstore.get_ranges(
                 self._store,
-                _check_key(key),
+                _check_read_key(key),
                 starts=[ranges[i][0] for i in wanted],
                 ends=[ranges[i][1] for i in wanted],
             )
@@ -439,7 +450,7 @@ class S3Store:
         import obstore
 
         try:
-            obstore.delete(self._store, _check_key(key))
+            obstore.delete(self._store, _check_read_key(key))
         except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
             return
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError

@@ -43,17 +43,20 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
     make_db: Callable[[], str],
     login_as: Callable[[str, str], str],
 ) -> None:
-    local, out = tmp_path / "logs", tmp_path / "out"
+    local, out, manifest = tmp_path / "logs", tmp_path / "out", tmp_path / "manifest"
     start = (int(time.time()) - 150) * US  # recent: a lease from the beginning warns of no history
-    generate(GeneratorSettings(events_per_s=200, dcs=("dc-a",)), local, start_us=start, end_us=start + 20 * US)
+    settings = GeneratorSettings(events_per_s=200, dcs=("dc-a",))
     logs = S3Store(f"s3://{bucket}/logs")
-    files = [e for e in LocalStore(local / "dc-a").listing() if e.key.endswith(".jsonl")]
-    clicks = sorted(e.key for e in files if e.key.startswith("clicks/"))
+    # `photon generate --logs s3://...`: the same bytes, key for key, as in a folder; the manifest in a folder
+    generate(settings, logs.url, start_us=start, end_us=start + 20 * US, manifest=manifest)
+    generate(settings, local, start_us=start, end_us=start + 20 * US)
+    files = [e.key for e in LocalStore(local / "dc-a").listing() if e.key.endswith(".jsonl")]
+    assert [e.key for e in logs.listing("dc-a")] == [f"dc-a/{k}" for k in files]
+    assert all(logs.get(f"dc-a/{k}") == (local / "dc-a" / k).read_bytes() for k in files)
+    clicks = sorted(k for k in files if k.startswith("clicks/"))
     assert len(clicks) >= 2
-    torn = clicks[0]  # put without its last newline: an object is whole as it is, read at once
-    for e in files:
-        body = (local / "dc-a" / e.key).read_bytes()
-        logs.put(f"dc-a/{e.key}", body[:-1] if e.key == torn else body)
+    torn = clicks[0]  # put again without its last newline: an object is whole as it is, read at once
+    logs.put(f"dc-a/{torn}", logs.get(f"dc-a/{torn}")[:-1])
 
     admin = make_db()
     init_registry({"main": admin}, num_shards=4)
@@ -75,14 +78,14 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
     try:
         wait("every click file consumed", lambda: consumed(admin) >= len(clicks), 180)
         # Every click of the bucket's logs joined once, the object without its last newline included.
-        report = audit(out, manifest=local / "_manifest")
+        report = audit(out, manifest=manifest)
         assert report.ok and report.lost == 0 and report.duplicate_clicks == 0, report.failures()
 
         # A click object arriving now (a replica re-shipping a file under another name: clicks already joined, the
         # registry lets none in twice), consumed; then put again, longer, under its key (a shipper that re-sent it):
         # another ETag, reported once, read never. (A partition still open: a sealed one is never listed again.)
         late = f"clicks/{partition_of(int(time.time() * US))}/10.9.9.9-1-{time.time_ns()}.jsonl"
-        body = (local / "dc-a" / clicks[-1]).read_bytes()
+        body = logs.get(f"dc-a/{clicks[-1]}")
         logs.put(f"dc-a/{late}", body)
         wait("the late object consumed", lambda: consumed(admin) > len(clicks), 60)
         logs.put(f"dc-a/{late}", body + b'{"click_id": "again"}\n')
@@ -101,7 +104,7 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
         output = lease.communicate(timeout=120)[0]
     assert lease.returncode == 143 and "lease released" in output, output[-4000:]  # stopped by SIGTERM
     assert "Traceback" not in output, output[-4000:]
-    report = audit(out, manifest=local / "_manifest")
+    report = audit(out, manifest=manifest)
     assert report.lost == 0 and report.duplicate_clicks == 0, report.failures()
     # The one record the manifest does not know: the key put again
     assert report.failures() == ["1 quarantine record(s) more than malformed lines"], report.failures()

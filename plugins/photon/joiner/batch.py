@@ -155,7 +155,9 @@ class BatchRunner:
         steps 2-6 per partition of click ids; one row of counts per task."""
         from pyspark.sql.pandas.types import from_arrow_schema
 
-        groups = balanced_groups([_size(p) for _, p, _ in sources], self.parallelism)
+        # A log file's size as listed (its path is the task's to open); a retry set's on disk
+        sizes = [self.discovery.sizes.get((k, rel), 0) if not p else _size(p) for k, p, rel in sources]
+        groups = balanced_groups(sizes, self.parallelism)
         return (
             self._tasks(len(groups))
             .mapInArrow(_source_task(t, sources, groups), from_arrow_schema(CANDIDATE))

@@ -67,6 +67,7 @@ class Discovery:
         self._seen: dict[tuple[str, str], tuple[int, str, float, float]] = {}
         self.settled_as: dict[tuple[str, str], tuple[int, str]] = {}
         self._not_files: set[tuple[str, str]] = set()
+        self.sizes: dict[tuple[str, str], int] = {}  # the files the last listing found new: their sizes then
         self._whole: dict[tuple[str, str], str] = {}  # listed, not consumed, seen whole: its etag then
 
     def restart(
@@ -99,6 +100,7 @@ class Discovery:
 
         seen: dict[tuple[str, str], tuple[int, str, float, float]] = {}
         whole: dict[tuple[str, str], str] = {}
+        sizes: dict[tuple[str, str], int] = {}
         self.settled_as = {}
 
         def listing(kind: str, cap: int | None) -> list[str]:
@@ -129,6 +131,7 @@ class Discovery:
                     settling.append(f.rel)
                     continue
                 new.append((not f.name.startswith(RECOVERED_PREFIX), entry.modified_us, f.rel))
+                sizes[(kind, f.rel)] = entry.size
             mine = [n for _, _, n in sorted(new) if self._in_window(kind, n)]
             chosen = mine[:cap] if cap is not None else mine
             taken = set(chosen)
@@ -146,6 +149,7 @@ class Discovery:
 
         found = listing("queries", None), listing("clicks", self.s.max_click_files)
         self._seen, self._whole = seen, whole  # only files listed now: bounded by them, not every file ever listed
+        self.sizes = sizes
         return found
 
     def _settled(self, kind: str, store: Store, e: Entry, seen: dict[Any, Any], whole: dict[Any, Any]) -> bool:
@@ -187,7 +191,14 @@ class Discovery:
         if seen is None:
             return
         try:
-            e = f.entry or store.head(rel)
+            # A folder's entry stat-ed whatever it is now: a named pipe or a directory in its place is a change too.
+            e = f.entry or (
+                LocalStore.entry_of(rel, os.stat(store.root / rel))
+                if isinstance(store, LocalStore)
+                else store.head(rel)
+            )
+        except FileNotFoundError:
+            return
         except OSError as exc:
             log.error("%s: %s/%s cannot be checked: %s", self.pipeline, kind, rel, exc)
             return

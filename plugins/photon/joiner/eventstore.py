@@ -188,7 +188,11 @@ class EventStoreCache:
             spans = list(zip(offsets[at].tolist(), lengths[at].tolist(), strict=True))
             try:
                 got = self.logs.get_ranges(names[code], [(o, o + ln) for o, ln in spans])
-            except OSError as exc:  # gone (a store's errors are OSErrors too)
+            except OSError as exc:
+                # Gone (or not a regular file): a miss. A folder's other errors (permissions) too, as ever; an object
+                # store's (unreachable, throttled) fail the batch, which runs again: never a click decided on them.
+                if self.logs.atomic and not isinstance(exc, FileNotFoundError):
+                    raise
                 log.error("EventStore: %d quer(ies) indexed in %s cannot be read back: %s", len(at), names[code], exc)
                 unread += len(at)
                 continue

@@ -177,8 +177,15 @@ def _index_task(
                 part, files = parts[i]
                 tables = []
                 for rel in files:
+                    store = cached_store(queries)
                     try:
-                        content = cached_store(queries).get(rel)  # a named pipe in a folder: an error, no hang
+                        content = store.get(rel)  # a named pipe in a folder: an error, no hang
+                    except OSError as exc:
+                        if store.atomic and not isinstance(exc, FileNotFoundError):
+                            raise  # an object store that failed: the task fails, nothing is marked indexed
+                        log.error("query index: %s/%s not indexed: %s", queries, rel, exc)
+                        continue
+                    try:
                         good, _, offsets, lengths = parse_file_located(rel, content, "queries")
                     except Exception as exc:  # a file gone or a parser bug: the partition is indexed without it
                         log.error("query index: %s/%s not indexed: %r", queries, rel, exc)

@@ -333,7 +333,8 @@ def _source_task(
             as_seen = t.settled.get(f"{kind}/{rel}")
             settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
             if t.source_root:
-                whole, e = read_whole(cached_store(t.source_root).child(kind), rel, settled_as)
+                # One client per worker and kind (a child store is a client of its own)
+                whole, e = read_whole(cached_store(f"{t.source_root.rstrip('/')}/{kind}"), rel, settled_as)
             else:  # a task of a test: the file's path
                 whole, e = read_whole(Path(path_s), settled_as=settled_as)
             if whole is None or e is None:  # still being written: not consumed now, listed and read again later

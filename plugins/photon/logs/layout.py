@@ -113,7 +113,7 @@ def list_closed(folder: Path | Store, since: str | None = None) -> Iterator[LogF
     for day in sorted(e.name for e in top if _is_day(e.name) and e.name >= since_day):
         try:
             minutes = sorted(m for m in os.listdir(folder / day) if _is_minute(m))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a file named like a partition: no logs in it
             continue
         for minute in minutes:
             if day == since_day and minute < since_minute:
@@ -121,7 +121,7 @@ def list_closed(folder: Path | Store, since: str | None = None) -> Iterator[LogF
             part = f"{day}/{minute}"
             try:
                 names = os.listdir(folder / part)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:
                 if name.endswith(".jsonl") and not name.startswith("."):

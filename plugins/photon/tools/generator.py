@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from photon.logs.layout import partition_of
 from photon.logs.schemas import MANIFEST_DIR, MAX_LINE_BYTES
+from photon.storage import Store, open_store
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -658,17 +659,24 @@ def _bytes_at_most(settings: GeneratorSettings, duration_s: float, live: bool) -
 
 def generate(
     settings: GeneratorSettings,
-    logs: Path,
+    logs: Path | str,
     *,
     start_us: int,
     end_us: int,
     live: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    manifest: Path | None = None,
 ) -> GenerateReport:
     """Write logs for [start_us, end_us) of log time under ``logs/<dc>/{queries,clicks}/`` and the manifest under
-    ``logs/_manifest/``. Historical mode writes as fast as it can; live mode writes each replica's files at their
-    arrival times (so start_us should be about now) and returns once the last one has arrived."""
+    ``manifest`` (default ``logs/_manifest/``). ``logs``: a folder, or an s3:// URL (each file one PutObject: whole
+    once it exists; the manifest then goes to a folder of its own, ``manifest``). Historical mode writes as fast as
+    it can; live mode writes each replica's files at their arrival times (so start_us should be about now) and
+    returns once the last one has arrived."""
+    store = open_store(logs) if str(logs).startswith("s3://") else None
+    if store is not None and manifest is None:
+        raise ValueError(f"{logs}: logs in a bucket need a manifest folder of their own (--manifest)")
+    logs = Path(logs) if store is None else Path()
     t_begin = time.perf_counter()
     rot = int(settings.rotate_s * US)
     start_us -= start_us % rot
@@ -680,7 +688,8 @@ def generate(
     world = World(settings)
     arrivals = Arrivals(settings, start_us, live)
     report = GenerateReport("live" if live else "historical", start_us, end_us)
-    mdir = logs / MANIFEST_DIR
+    mdir = manifest if manifest is not None else logs / MANIFEST_DIR
+    mdir.mkdir(parents=True, exist_ok=True)
     run = _run_id(settings, start_us, end_us, live)
     _adopt_legacy(mdir)
     clicks_dir, files_dir = _parts_dir(mdir / "clicks.parquet"), _parts_dir(mdir / "files.parquet")
@@ -705,6 +714,8 @@ def generate(
                     file_rows.append((dc, kind, rel, b - a, bad, close, at))
                     if live:
                         pending.append((at, len(pending), close - rot, dc, kind, rel, bytes(data)))
+                    elif store is not None:
+                        store.put(f"{dc}/{kind}/{rel}", bytes(data))
                     elif first_copy is None:
                         first_copy = logs / dc / kind / rel
                         write_file(first_copy, data)
@@ -720,9 +731,9 @@ def generate(
             if on_progress:
                 on_progress(min(end_us, chunk_end) - start_us, end_us - start_us)
             if live:  # the next chunk's first file closes after this one's end: write until then
-                _drain(pending, logs, sleep, until_us=min(end_us, chunk_end))
+                _drain(pending, store or logs, sleep, until_us=min(end_us, chunk_end))
         if live:
-            _drain(pending, logs, sleep, until_us=None)
+            _drain(pending, store or logs, sleep, until_us=None)
     finally:
         writer.close()
     report.queries = world.queries_logged
@@ -855,16 +866,20 @@ def _add_manifest_rows(
     )
 
 
-def _drain(pending: list[Any], logs: Path, sleep: Callable[[float], None], until_us: int | None) -> None:
+def _drain(pending: list[Any], logs: Path | Store, sleep: Callable[[float], None], until_us: int | None) -> None:
     """Live mode: write each replica's files at their arrival (wall-clock) time, until ``until_us`` (or until none
-    is left). A file still on its way has an ``.inprogress`` copy of its first half where it will appear."""
+    is left). In a folder, a file still on its way has an ``.inprogress`` copy of its first half where it will
+    appear (an object store shows nothing before the put)."""
     pending.sort()
     while pending and (until_us is None or time.time() * US < until_us):
         now = int(time.time() * US)
         while pending and pending[0][0] <= now:
             _, _, _, dc, kind, name, data = pending.pop(0)
-            write_file(logs / dc / kind / name, data)
-        for _, _, opened, dc, kind, name, data in pending:
+            if isinstance(logs, Path):
+                write_file(logs / dc / kind / name, data)
+            else:
+                logs.put(f"{dc}/{kind}/{name}", data)
+        for _, _, opened, dc, kind, name, data in pending if isinstance(logs, Path) else ():
             if opened > now:
                 break  # sorted by arrival, not opening; good enough to bound the scan
             partial = logs / dc / kind / (name + ".inprogress")

@@ -1,0 +1,140 @@
+"""Review of the logs-on-a-store change (issue 35): the joiner's reads through ``photon.storage`` keep every rule a
+folder had, and an object store's failures fail the work instead of deciding clicks on them. Each test failed on the
+commit that moved the reads."""
+
+from __future__ import annotations
+
+import json
+import mmap as real_mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import photon.storage as storage
+from photon.joiner import query_index
+from photon.joiner.common import JoinSettings
+from photon.joiner.discovery import Discovery
+from photon.joiner.eventstore import EventStoreCache, LookupStats
+from photon.registry.clock import ServerClock
+from photon.storage import LocalStore, StorageError
+
+PART = "20250101/0000"  # sealed long ago
+
+
+def discovery(root: Path) -> Discovery:
+    return Discovery(root, "dc-a", "dc-a", JoinSettings(parallelism=1), ServerClock.assumed())
+
+
+def index_rows(n: int, length: int) -> pa.Table:
+    return pa.table(
+        {
+            "file": pa.array(["q.jsonl"] * n).dictionary_encode(),
+            "offset": pa.array([i * (length + 1) for i in range(n)], pa.int64()),
+            "length": pa.array([length] * n, pa.int64()),
+            "query_id": pa.array(["x"] * n),
+            "ts_us": pa.array([1] * n, pa.int64()),
+        }
+    )
+
+
+class FailingStore(LocalStore):
+    """An object store (atomic puts) whose reads fail as a throttled or unreachable S3 endpoint's do."""
+
+    atomic = True
+
+    def get(self, key: str) -> bytes:
+        raise StorageError(f"s3://b/p: {key}: Generic S3 error: HTTP 503 SlowDown")
+
+    def get_ranges(self, key: str, ranges: Any) -> list[bytes]:
+        raise StorageError(f"s3://b/p: {key}: Generic S3 error: error sending request (connection reset)")
+
+
+def test_log_files_named_with_a_backslash_or_an_invisible_character_are_read(tmp_path: Path) -> None:
+    """A name ``put`` would refuse (backslash, zero-width space) was refused on read too: held as "cannot be read
+    yet" at every batch, the listing mark stuck at its partition for good."""
+    for name in ("ok.jsonl", "a\\b.jsonl", "zero\u200bwidth.jsonl"):
+        path = tmp_path / "dc-a" / "clicks" / PART / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b'{"a": 1}\n')
+    d = discovery(tmp_path)
+    _, clicks = d.new_files()
+    assert sorted(clicks) == sorted(f"{PART}/{n}" for n in ("ok.jsonl", "a\\b.jsonl", "zero\u200bwidth.jsonl"))
+    assert d.next_marks["clicks"] != PART
+
+
+def test_a_consumed_file_replaced_by_a_named_pipe_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "dc-a" / "clicks" / PART / "a.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"a": 1}\n')
+    d = discovery(tmp_path)
+    d.new_files()
+    e = LocalStore.entry_of(f"{PART}/a.jsonl", os.stat(path))
+    d.committed([("clicks", e.key)], {("clicks", e.key): (e.size, e.etag, e.inode)}, 0, dict(d.marks))
+    d.new_files()
+    assert d.changed == []  # unchanged: nothing to say
+    path.unlink()
+    os.mkfifo(path)
+    d.new_files()
+    assert [c["file"] for c in d.changed] == [e.key] and "closed file changed" in d.changed[0]["reason"]
+
+
+def test_an_object_stores_failure_fails_the_lookup_never_a_miss(tmp_path: Path) -> None:
+    """A miss decides clicks (unjoinable at their deadline): only a log that is gone may cause one. A store that
+    failed must fail the batch, which runs again."""
+    cache = EventStoreCache(tmp_path / "es", FailingStore(tmp_path), 4)
+    with pytest.raises(StorageError, match="connection reset"):
+        cache._read_lines(index_rows(1, 8), LookupStats())
+
+
+def test_an_object_stores_failure_while_indexing_marks_no_partition_indexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition with its done-marker is never parsed again: one marked after a failed read would miss its
+    queries for good."""
+    logs, root = tmp_path / "logs", tmp_path / "index"
+    q = {"query_id": "127.0.0.1-1-1735689600000000", "ts_us": 1735689600000000, "user_id": "u", "query_text": "t"}
+    q |= {"country": "DE", "ads": [{"ad_id": "a1", "advertiser_id": "adv1", "bid_micros": 1}]}
+    (logs / PART).mkdir(parents=True)
+    (logs / PART / "a.jsonl").write_bytes(json.dumps(q).encode() + b"\n")
+    monkeypatch.setattr(query_index, "cached_store", FailingStore)
+    run = query_index._index_task(str(logs), str(root), [(PART, [f"{PART}/a.jsonl"])], 60, q["ts_us"] + 10**8, 300)
+    with pytest.raises(StorageError, match="SlowDown"):
+        list(run(iter([pa.RecordBatch.from_pydict({"id": [0]})])))
+    assert query_index.indexed(root) == set()
+
+
+def test_a_query_log_emptied_while_its_lines_are_read_back_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many ranges are read through one memory map; a file emptied between its size and the map made mmap raise a
+    ValueError, out of the lookup and its task."""
+    log = tmp_path / "q.jsonl"
+    log.write_bytes(b'{"x": 1}\n' * 10)
+
+    class TruncatingMmap:
+        ACCESS_READ = real_mmap.ACCESS_READ
+
+        @staticmethod
+        def mmap(fd: int, n: int, access: int) -> real_mmap.mmap:
+            os.truncate(log, 0)  # the writer, just after the reader's fstat
+            return real_mmap.mmap(fd, n, access=access)
+
+    monkeypatch.setattr(storage, "mmap", TruncatingMmap)
+    _, ok = EventStoreCache(tmp_path / "es", str(tmp_path), 4)._read_lines(index_rows(10, 8), LookupStats())
+    assert not ok.any()
+
+
+def test_files_named_like_partitions_hold_no_logs_and_crash_no_listing(tmp_path: Path) -> None:
+    """A regular file named like a day or a minute (``clicks/20250101``) made every listing raise
+    NotADirectoryError: the pipeline stalled on it."""
+    from photon.logs.layout import list_closed
+
+    (tmp_path / "20250101").write_text("x")
+    (tmp_path / "20250102").mkdir()
+    (tmp_path / "20250102" / "0001").write_text("x")
+    (tmp_path / "20250103" / "0002").mkdir(parents=True)
+    (tmp_path / "20250103" / "0002" / "a.jsonl").write_bytes(b"{}\n")
+    assert [f.rel for f in list_closed(tmp_path)] == ["20250103/0002/a.jsonl"]
