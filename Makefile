@@ -14,7 +14,7 @@ DATA_DOCS_ASSETS := $(VENV)/share/photon-data-docs
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality bench-parse bench-table lock clean-state chaos
+.PHONY: shell setup test fuzz lint demo airflow bench-registry bench-generator bench-pipeline bench-discovery bench-handover bench-handover-airflow bench-quality bench-parse bench-table bench-object-store lock clean-state chaos
 
 # The venv is shared by clones with the same requirements; the `photon` package is installed editable from the clone
 # that ran `make setup` last (tests import their own clone's code through PYTHONPATH). `.venv` links to it, so
@@ -166,6 +166,9 @@ bench-table: setup
 	"$(PY)" -m bench.table_maintenance $(BENCH_ARGS)
 
 # Trigger and lease-start cost at 20 k, 200 k and 2 M files seen (about 10 minutes; removes what it made).
+bench-object-store: setup
+	"$(PY)" -m bench.object_store $(BENCH_ARGS)
+
 bench-discovery: setup
 	"$(PY)" -m bench.discovery $(BENCH_ARGS)
 

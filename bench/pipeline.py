@@ -229,14 +229,24 @@ def measure_ceiling(spark: Any, logs: Path, out: Path, events: int) -> float:
     return max(rates.values())
 
 
-def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: float, profile: str) -> dict[str, Any]:
-    """Both pipelines joining live logs while the generator writes them; latency from the audit, batch durations
-    from the joiners. Profile ``joiner`` ships files fast and keeps clocks in step, so latency is the joiner's own;
-    ``realistic`` keeps the generator's defaults (query files shipped with a 2 s median lag, 1.5x slower to dc-b,
-    server clocks up to 5 s apart, which the latency measured from the click's own timestamp includes)."""
-    servers = {"main": create_database(pg.admin_dsn, f"bench_{profile}_{int(rate)}")}
+def live(
+    pg: EmbeddedPostgres,
+    spark: Any,
+    root: Path,
+    rate: float,
+    seconds: float,
+    profile: str,
+    logs_url: str | None = None,
+) -> dict[str, Any]:
+    """Both pipelines joining live logs while the generator writes them (into ``root/logs``, or into the bucket
+    ``logs_url``); latency from the audit, batch durations from the joiners. Profile ``joiner`` ships files fast and
+    keeps clocks in step, so latency is the joiner's own; ``realistic`` keeps the generator's defaults (query files
+    shipped with a 2 s median lag, 1.5x slower to dc-b, server clocks up to 5 s apart, which the latency measured
+    from the click's own timestamp includes)."""
+    servers = {"main": create_database(pg.admin_dsn, f"bench_{profile}_{int(rate)}_{'s3' if logs_url else 'fs'}")}
     init_registry(servers)
-    logs, out = root / "logs", root / "out"
+    out, manifest = root / "out", root / "logs" / "_manifest"
+    logs: Path | str = logs_url or root / "logs"
     kw: dict[str, Any] = {
         "events_per_s": rate,
         "clicks_per_query": 0.1,
@@ -252,7 +262,7 @@ def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: flo
     durations: list[float] = []
 
     def gen() -> None:
-        generate(settings, logs, start_us=now, end_us=now + int(seconds * US), live=True)
+        generate(settings, logs, start_us=now, end_us=now + int(seconds * US), live=True, manifest=manifest)
         done.set()
 
     def join(dc: str) -> None:
@@ -271,7 +281,7 @@ def live(pg: EmbeddedPostgres, spark: Any, root: Path, rate: float, seconds: flo
             t.start()
         for t in threads:
             t.join()
-    report = audit(out, manifest=logs / "_manifest")
+    report = audit(out, manifest=manifest)
     shutil.rmtree(root, ignore_errors=True)
     q = np.quantile(durations, [0.5, 0.9]) if durations else [0.0, 0.0]
     return {

@@ -1322,6 +1322,13 @@ def demo(
     registry_race: Annotated[
         bool, typer.Option("--registry-race", help="Only race two writers over the registry.")
     ] = False,
+    logs: Annotated[
+        str | None,
+        typer.Option(
+            help="Write the live logs into s3://bucket/prefix (a prefix of the run's own; credentials and endpoint "
+            "from the AWS_* variables) instead of the run's folder."
+        ),
+    ] = None,
 ) -> None:
     """Both data centers joining generated live logs at once into Delta tables (under .photon/demo/<time>/out, or
     PHOTON_HOME's; with a registry database of the run's own), ending with an audit and a check of every table
@@ -1334,7 +1341,11 @@ def demo(
     if registry_race:
         ok = run_registry_race(num_ids=200_000, batch=20_000, console=console)
     else:
-        ok = run_pipeline_demo(seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console)
+        if logs is not None:
+            _logs_source(logs)  # a bucket that does not answer: one line, before anything starts
+        ok = run_pipeline_demo(
+            seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console, logs_url=logs
+        )
     raise typer.Exit(0 if ok else 1)
 
 

@@ -144,11 +144,14 @@ def _race(servers: dict[str, str], *, num_ids: int, batch: int, console: Console
     return ok
 
 
-def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, console: Console) -> bool:
+def run_pipeline_demo(
+    *, seconds: float, rate: float, max_join_delay_s: float, console: Console, logs_url: str | None = None
+) -> bool:
     """Both data centers end to end: live logs with late queries, duplicates, malformed lines and an outage of
     dc-b's replica; both joiners at once, a reshard from 4 to 8 shards while they run; then the independent audit
     (it reads the output tables), each pipeline's tables against its committed batches (``check_tables``), a
-    registry GC, and the report's charts."""
+    registry GC, and the report's charts. ``logs_url``: the live logs go to a prefix of the run's own under this
+    s3:// URL (removed after a passing run), the manifest to the run's folder."""
     import shutil
     import threading
 
@@ -160,13 +163,15 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     from photon.registry.reshard import reshard
     from photon.settings import load_settings
     from photon.spark_session import get_spark
+    from photon.storage import open_store
     from photon.tools.audit import audit, print_audit
     from photon.tools.generator import GeneratorSettings, Outage, generate
     from photon.tools.report import render_report
 
     home = load_settings().home
     run = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    logs, out = run / "logs", run / "out"
+    out, manifest = run / "out", run / ("manifest" if logs_url else f"logs/{MANIFEST_DIR}")
+    logs: Path | str = f"{logs_url.rstrip('/')}/{run.name}" if logs_url else run / "logs"
     # A registry database of its own: a pipeline's registry state and its output folder belong together.
     main = servers_from_settings()["main"]
     servers = {"main": create_database(with_dbname(main, "postgres"), f"photon_demo_{run.name.replace('-', '_')}")}
@@ -189,7 +194,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
 
     def gen() -> None:
         try:
-            generate(settings, logs, start_us=start, end_us=start + int(seconds * 1e6), live=True)
+            generate(settings, logs, start_us=start, end_us=start + int(seconds * 1e6), live=True, manifest=manifest)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -238,7 +243,7 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
         t.join()
     if errors:
         raise errors[0]
-    report = audit(out, manifest=logs / MANIFEST_DIR)
+    report = audit(out, manifest=manifest)
     print_audit(report, console)
     tables_ok = check_tables(servers["main"], out, console)
     # Once everything is decided: a GC run that keeps one minute (the shard-size chart shows what it frees).
@@ -248,10 +253,16 @@ def run_pipeline_demo(*, seconds: float, rate: float, max_join_delay_s: float, c
     charts = render_report(servers["main"], run / "report")
     console.print(f"charts: {', '.join(str(c) for c in charts.written)}")
     if report.ok and tables_ok:
-        shutil.rmtree(logs, ignore_errors=True)  # the logs are only needed to look into a failure
+        # the logs are only needed to look into a failure
+        if isinstance(logs, Path):
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            store = open_store(logs)
+            for e in list(store.listing()):
+                store.delete(e.key)
         console.print(f"output kept in {out}")
     else:
-        console.print(f"logs and output kept: `photon audit --out {out} --logs {logs}` audits them again")
+        console.print(f"logs and output kept: `photon audit --out {out} --manifest {manifest}` audits them again")
     return report.ok and tables_ok
 
 
