@@ -40,7 +40,7 @@ from bench.side_by_side import (
 from photon.joiner.common import JoinSettings
 from photon.joiner.discovery import Discovery
 from photon.logs.layout import partition_of
-from photon.pg import EmbeddedPostgres
+from photon.pg import EmbeddedPostgres, drop_database
 from photon.registry.clock import ServerClock
 from photon.spark_session import get_spark
 from photon.storage import S3Store
@@ -63,12 +63,12 @@ def throughput(spark: Any, pg: EmbeddedPostgres, root: Path, bucket: str, name: 
     joined: dict[str, set[int]] = {"folder": set(), "bucket": set()}
     for r in range(repeat):
         for where in ("folder", "bucket") if r % 2 == 0 else ("bucket", "folder"):
-            out = root / f"{name}-out-{where}-{r}"
-            x = run_joiner(spark, _registry(pg, f"bench_os_{name}_{where}_{r}"), folder if where == "folder" else url,
-                           out)  # fmt: skip
+            out, db = root / f"{name}-out-{where}-{r}", f"bench_os_{name}_{where}_{r}"
+            x = run_joiner(spark, _registry(pg, db), folder if where == "folder" else url, out)
             runs[where].append(x["seconds"])
             joined[where].add(x["joined"])
             shutil.rmtree(out, ignore_errors=True)
+            drop_database(pg.admin_dsn, db)  # and the Python workers' connections to it (200 at most)
     ratios = [f / b for f, b in zip(runs["folder"], runs["bucket"], strict=True)]
     result = {
         "workload": name,

@@ -138,3 +138,47 @@ def test_files_named_like_partitions_hold_no_logs_and_crash_no_listing(tmp_path:
     (tmp_path / "20250103" / "0002").mkdir(parents=True)
     (tmp_path / "20250103" / "0002" / "a.jsonl").write_bytes(b"{}\n")
     assert [f.rel for f in list_closed(tmp_path)] == ["20250103/0002/a.jsonl"]
+
+
+def test_a_batch_reads_each_query_object_once_per_worker_and_never_across_batches(tmp_path: Path) -> None:
+    """Issue 35's throughput: every join task fetched every query object's lines again (dense ranges: whole-object
+    reads), so a batch read its query objects 1 + (join tasks per worker) times from the store. Now a worker keeps
+    the objects its batch read whole and slices lines out of them; a folder's reads are untouched, and a new batch
+    starts empty."""
+    from photon.joiner.eventstore import BatchObjects
+
+    class Counting(LocalStore):
+        atomic = True
+
+        def __init__(self, root: Path) -> None:
+            super().__init__(root)
+            self.calls: list[str] = []
+
+        def get(self, key: str) -> bytes:
+            self.calls.append(f"get {key}")
+            return super().get(key)
+
+        def get_ranges(self, key: str, ranges: Any) -> list[bytes]:
+            self.calls.append(f"ranges {key}")
+            return super().get_ranges(key, ranges)
+
+    (tmp_path / "q1").write_bytes(b"0123456789" * 20)
+    (tmp_path / "q2").write_bytes(b"abcdefghij" * 20)
+    store, cache = Counting(tmp_path), BatchObjects()
+    few, many = [(0, 3), (12, 15)], [(i, i + 2) for i in range(0, 190, 2)]
+    cache.start("b1")
+    cache.keep(store, "q1", store.get("q1"))  # parsed by this worker's stage-1 task
+    store.calls.clear()
+    assert cache.ranges(store, "q1", few) == [b"012", b"234"] and store.calls == []
+    assert cache.ranges(store, "q2", few) == [b"abc", b"cde"] and store.calls == ["ranges q2"]  # sparse: ranges
+    assert cache.ranges(store, "q2", many)[:2] == [b"ab", b"cd"] and store.calls[-1] == "get q2"  # dense: whole
+    assert cache.ranges(store, "q2", many)[-1] == b"ij" and len(store.calls) == 2  # then kept
+    cache.start("b2")  # another batch: read afresh
+    assert cache.ranges(store, "q1", few) == [b"012", b"234"] and store.calls[-1] == "ranges q1"
+    folder = LocalStore(tmp_path)
+    cache.keep(folder, "q1", b"x")  # a folder's files: the page cache's to keep
+    assert cache.objects.get((folder.url, "q1")) is None
+    cache.MAX_BYTES = 250
+    cache.keep(store, "q1", store.get("q1"))
+    cache.keep(store, "q2", store.get("q2"))
+    assert list(cache.objects) == [(store.url, "q2")] and cache.size == 200  # bounded: the oldest went

@@ -187,7 +187,7 @@ class EventStoreCache:
             at = order[np.searchsorted(codes[order], code) : np.searchsorted(codes[order], code, side="right")]
             spans = list(zip(offsets[at].tolist(), lengths[at].tolist(), strict=True))
             try:
-                got = self.logs.get_ranges(names[code], [(o, o + ln) for o, ln in spans])
+                got = BATCH_OBJECTS.ranges(self.logs, names[code], [(o, o + ln) for o, ln in spans])
             except OSError as exc:
                 # Gone (or not a regular file): a miss. A folder's other errors (permissions) too, as ever; an object
                 # store's (unreachable, throttled) fail the batch, which runs again: never a click decided on them.
@@ -272,6 +272,48 @@ class EventStoreCache:
 
     def rows(self) -> int:
         return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
+
+
+class BatchObjects:
+    """The query log objects of an object store that this Python worker read whole during the current batch (its
+    stage-1 tasks parse them; a closed object never changes, and a key put again is a fault the batch sees once, as
+    it read it): the batch's lookups slice the lines they want out of them instead of fetching them again. Without
+    it every join task fetched every query object's lines anew, and lines are dense, so the ranges coalesced into
+    whole-object reads: a batch read its query objects 1 + (join tasks per worker) times. Dropped when a task of
+    another batch starts; at most ``MAX_BYTES`` (least recently kept first). A folder's files need none: the page
+    cache keeps them."""
+
+    MAX_BYTES = 256 << 20
+    DENSE = 64  # ranges of one object from which reading it whole costs no more than reading them
+
+    def __init__(self) -> None:
+        self.batch = ""
+        self.objects: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self.size = 0
+
+    def start(self, batch: str) -> None:
+        if batch != self.batch:
+            self.batch, self.objects, self.size = batch, OrderedDict(), 0
+
+    def keep(self, store: Store, key: str, content: bytes) -> None:
+        if not store.atomic or not self.batch or len(content) > self.MAX_BYTES:
+            return
+        self.objects[(store.url, key)] = content
+        self.size += len(content)
+        while self.size > self.MAX_BYTES:
+            self.size -= len(self.objects.popitem(last=False)[1])
+
+    def ranges(self, store: Store, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        content = self.objects.get((store.url, key)) if store.atomic else None
+        if content is None and store.atomic and self.batch and len(ranges) >= self.DENSE:
+            content = store.get(key)
+            self.keep(store, key, content)
+        if content is None:
+            return store.get_ranges(key, ranges)
+        return [content[start:end] for start, end in ranges]
+
+
+BATCH_OBJECTS = BatchObjects()
 
 
 def _indexed_line(raw: bytes, length: int) -> bytes:
