@@ -182,3 +182,25 @@ def test_a_batch_reads_each_query_object_once_per_worker_and_never_across_batche
     cache.keep(store, "q1", store.get("q1"))
     cache.keep(store, "q2", store.get("q2"))
     assert list(cache.objects) == [(store.url, "q2")] and cache.size == 200  # bounded: the oldest went
+
+
+def test_commands_that_read_a_logs_folder_refuse_a_bucket_in_one_line(tmp_path: Path) -> None:
+    """Newcomer walk: `photon audit --logs s3://photon/logs` said "--logs s3:/photon/logs: no such folder" (the
+    URL mangled into a path, and nothing said a bucket is not read there)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'plugins'}:{root}"}
+    for args in (["audit", "--out", str(tmp_path)], ["verify", "--out", str(tmp_path)]):
+        r = subprocess.run(
+            [sys.executable, "-m", "photon", *args, "--logs", "s3://photon/logs"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        said = (r.stdout + r.stderr).strip()
+        assert r.returncode == 2 and said.splitlines() == [
+            "error: --logs s3://photon/logs: this command reads a folder, not an object store (yet)"
+        ], said

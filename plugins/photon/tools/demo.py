@@ -186,6 +186,7 @@ def run_pipeline_demo(
     console.print(
         f"demo in {run}: {seconds:.0f}s of live logs at {rate:,.0f} events/s for dc-a and dc-b "
         f"(dc-b's replica stops for 20s), max join delay {max_join_delay_s:.0f}s"
+        + (f"; logs in {logs}" if logs_url else "")
     )
     spark = get_spark("photon-demo", master="local[2]", shuffle_partitions=4)
     start = int(time.time() * 1e6)
@@ -260,6 +261,7 @@ def run_pipeline_demo(
             store = open_store(logs)
             for e in list(store.listing()):
                 store.delete(e.key)
+            console.print(f"logs removed from {logs}")
         console.print(f"output kept in {out}")
     else:
         console.print(f"logs and output kept: `photon audit --out {out} --manifest {manifest}` audits them again")
