@@ -140,12 +140,12 @@ def test_files_named_like_partitions_hold_no_logs_and_crash_no_listing(tmp_path:
     assert [f.rel for f in list_closed(tmp_path)] == ["20250103/0002/a.jsonl"]
 
 
-def test_a_batch_reads_each_query_object_once_per_worker_and_never_across_batches(tmp_path: Path) -> None:
-    """Issue 35's throughput: every join task fetched every query object's lines again (dense ranges: whole-object
-    reads), so a batch read its query objects 1 + (join tasks per worker) times from the store. Now a worker keeps
-    the objects its batch read whole and slices lines out of them; a folder's reads are untouched, and a new batch
-    starts empty."""
-    from photon.joiner.eventstore import BatchObjects
+def test_a_worker_reads_each_query_object_of_a_store_once_while_it_stays_kept(tmp_path: Path) -> None:
+    """Issue 35's throughput and live latency: every join task fetched every query object's lines again at every
+    batch (a request per object, or the whole object where lines are dense). Now a worker keeps the objects it
+    read whole (its stage-1 tasks' and dense lookups') and slices lines out of them, least recently used out first
+    past its bound; sparse lookups of an object not kept read ranges; a folder's reads are untouched."""
+    from photon.joiner.eventstore import QueryObjects
 
     class Counting(LocalStore):
         atomic = True
@@ -164,24 +164,24 @@ def test_a_batch_reads_each_query_object_once_per_worker_and_never_across_batche
 
     (tmp_path / "q1").write_bytes(b"0123456789" * 20)
     (tmp_path / "q2").write_bytes(b"abcdefghij" * 20)
-    store, cache = Counting(tmp_path), BatchObjects()
+    (tmp_path / "q3").write_bytes(b"ABCDEFGHIJ" * 20)
+    store, cache = Counting(tmp_path), QueryObjects()
     few, many = [(0, 3), (12, 15)], [(i, i + 2) for i in range(0, 190, 2)]
-    cache.start("b1")
     cache.keep(store, "q1", store.get("q1"))  # parsed by this worker's stage-1 task
     store.calls.clear()
     assert cache.ranges(store, "q1", few) == [b"012", b"234"] and store.calls == []
     assert cache.ranges(store, "q2", few) == [b"abc", b"cde"] and store.calls == ["ranges q2"]  # sparse: ranges
     assert cache.ranges(store, "q2", many)[:2] == [b"ab", b"cd"] and store.calls[-1] == "get q2"  # dense: whole
-    assert cache.ranges(store, "q2", many)[-1] == b"ij" and len(store.calls) == 2  # then kept
-    cache.start("b2")  # another batch: read afresh
-    assert cache.ranges(store, "q1", few) == [b"012", b"234"] and store.calls[-1] == "ranges q1"
+    assert cache.ranges(store, "q2", few) == [b"abc", b"cde"] and len(store.calls) == 2  # kept, across batches
     folder = LocalStore(tmp_path)
-    cache.keep(folder, "q1", b"x")  # a folder's files: the page cache's to keep
-    assert cache.objects.get((folder.url, "q1")) is None
-    cache.MAX_BYTES = 250
-    cache.keep(store, "q1", store.get("q1"))
-    cache.keep(store, "q2", store.get("q2"))
-    assert list(cache.objects) == [(store.url, "q2")] and cache.size == 200  # bounded: the oldest went
+    cache.keep(folder, "q3", b"x")  # a folder's files: the page cache's to keep
+    assert (folder.url, "q3") not in cache.objects
+    cache.MAX_BYTES = 450
+    cache.ranges(store, "q1", few)  # used last: q2 is now the least recently used
+    cache.keep(store, "q3", store.get("q3"))
+    assert list(cache.objects) == [(store.url, "q1"), (store.url, "q3")] and cache.size == 400
+    cache.keep(store, "q3", store.get("q3"))  # kept again: counted once
+    assert cache.size == 400
 
 
 def test_commands_that_read_a_logs_folder_refuse_a_bucket_in_one_line(tmp_path: Path) -> None:

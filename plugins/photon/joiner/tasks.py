@@ -314,14 +314,10 @@ def _source_task(
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
-        from photon.joiner.eventstore import (
-            BATCH_OBJECTS,  # at run time: the worker's own, never a pickled copy
-            index_of,
-            write_index,
-        )
+        # At run time: the worker's own cache, never a copy pickled with this function
+        from photon.joiner.eventstore import QUERY_OBJECTS, index_of, write_index
 
         check_code(t.code, t.adapter)
-        BATCH_OBJECTS.start(t.tag)
 
         stage = Path(t.stage)
         stored: list[pa.Table] = []
@@ -342,7 +338,7 @@ def _source_task(
                 kind_store = cached_store(f"{t.source_root.rstrip('/')}/{kind}")
                 whole, e = read_whole(kind_store, rel, settled_as)
                 if kind == "queries" and whole is not None:
-                    BATCH_OBJECTS.keep(kind_store, rel, whole)
+                    QUERY_OBJECTS.keep(kind_store, rel, whole)
             else:  # a task of a test: the file's path
                 whole, e = read_whole(Path(path_s), settled_as=settled_as)
             if whole is None or e is None:  # still being written: not consumed now, listed and read again later
@@ -406,10 +402,7 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
-        from photon.joiner.eventstore import BATCH_OBJECTS  # at run time: the worker's own, never a pickled copy
-
         check_code(t.code, t.adapter)
-        BATCH_OBJECTS.start(t.tag)
         os.environ[REPLICATION_ENV] = t.replication  # this task's registry connections follow its driver's rule
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
