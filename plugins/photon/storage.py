@@ -172,6 +172,11 @@ class LocalStore:
                 continue  # deleted since the listing
             yield self.entry_of(key, st)
 
+    def stat(self, key: str) -> os.stat_result:
+        """What the folder holds at ``key``, whatever it is (a named pipe, a directory): for a caller that listed
+        ``key`` here and must tell those apart. No key check: a str join, per file of a listing."""
+        return os.stat(os.path.join(self.url, key))
+
     def files(self, prefix: str = "") -> list[Entry]:
         folder = prefix.strip("/")
         found = []
@@ -335,10 +340,12 @@ class S3Store:
         # Folder by folder (a delimiter listing a level), skipping every folder whose keys all sort before the mark:
         # a listing from a recent mark costs a few requests however many objects lie before it. Never by
         # StartAfter: SeaweedFS applies it per folder level, leaving out keys after the mark and keeping some before.
+        import obstore
+
         folder = prefix.strip("/")
         try:
             found = self._walk(_check_key(folder) if folder else None, after)
-        except (obstore_errors(), OSError, ValueError) as exc:  # obstore maps some to OSError
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             if isinstance(exc, StorageError):
                 raise
             raise self._error(exc, prefix) from None
@@ -461,12 +468,6 @@ class S3Store:
         return S3Store(f"s3://{self.bucket}/{'/'.join(p for p in (self.prefix, prefix.strip('/')) if p)}", self.options)
 
 
-def obstore_errors() -> type[Exception]:
-    import obstore
-
-    return obstore.exceptions.BaseError
-
-
 def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:
     """The store a ``--logs`` or ``--out`` names: ``s3://bucket/prefix``, or a folder (a path or ``file://``)."""
     text = str(url)
@@ -489,3 +490,12 @@ def cached_store(url: str) -> Store:
     """The store ``url`` names, one per process and URL: a Spark worker's tasks share its client (an S3 client per
     task would cost a connection each)."""
     return open_store(url)
+
+
+def locate(where: Path | Store | str, key: str | None = None) -> tuple[Store, str]:
+    """The store and key of ``key`` in ``where`` (a store, a folder or a URL), or of the file ``where`` itself (a
+    path) when no key is given."""
+    if key is None:
+        path = Path(str(where))
+        return LocalStore(path.parent), path.name
+    return as_store(where), key

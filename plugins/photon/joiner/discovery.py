@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import stat
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from photon.logs.layout import (
 )
 from photon.logs.schemas import RAW_CAP_BYTES
 from photon.registry.clock import ServerClock
-from photon.storage import Entry, LocalStore, NotFoundError, Store, as_store
+from photon.storage import Entry, LocalStore, NotFoundError, Store, locate
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +112,8 @@ class Discovery:
                 entry = f.entry
                 try:
                     if entry is None:  # a folder's file, stat-ed only now (a backlog's listing is mostly consumed)
-                        path = os.path.join(store.root, f.rel)  # type: ignore[attr-defined]  # a str: cheaper
-                        st = os.stat(path)
+                        assert isinstance(store, LocalStore)  # only a folder's listing leaves entries out
+                        st = store.stat(f.rel)
                         if not stat.S_ISREG(st.st_mode):  # a directory named like a log file: not one, never read
                             if (kind, f.rel) not in self._not_files:
                                 self._not_files.add((kind, f.rel))
@@ -193,9 +192,7 @@ class Discovery:
         try:
             # A folder's entry stat-ed whatever it is now: a named pipe or a directory in its place is a change too.
             e = f.entry or (
-                LocalStore.entry_of(rel, os.stat(store.root / rel))
-                if isinstance(store, LocalStore)
-                else store.head(rel)
+                LocalStore.entry_of(rel, store.stat(rel)) if isinstance(store, LocalStore) else store.head(rel)
             )
         except FileNotFoundError:
             return
@@ -382,8 +379,7 @@ def first_event_us(folder: Path | Store, rel: str | None = None, peek_bytes: int
     changes, so this is asked once per file); the file's modification time where none parses there. The file:
     ``rel`` in ``folder`` (a folder or a store), or the path ``folder`` itself. OSError if it is gone or
     unreadable."""
-    store: Store = LocalStore(folder.parent) if isinstance(folder, Path) and rel is None else as_store(folder)
-    key = folder.name if isinstance(folder, Path) and rel is None else str(rel)
+    store, key = locate(folder, rel)
     head = store.get_ranges(key, [(0, peek_bytes)])[0]
     for line in head.split(b"\n")[:-1] if len(head) == peek_bytes else head.split(b"\n"):
         try:

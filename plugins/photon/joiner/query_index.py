@@ -176,8 +176,8 @@ def _index_task(
             for i in batch.column("id").to_pylist():
                 part, files = parts[i]
                 tables = []
+                store = cached_store(queries)
                 for rel in files:
-                    store = cached_store(queries)
                     try:
                         content = store.get(rel)  # a named pipe in a folder: an error, no hang
                     except OSError as exc:

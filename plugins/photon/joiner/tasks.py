@@ -55,7 +55,7 @@ from photon.logs.schemas import (
 from photon.logs.tables import stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
-from photon.storage import ChangingError, Entry, LocalStore, Store, as_store, cached_store
+from photon.storage import ChangingError, Entry, Store, cached_store, locate
 
 log = logging.getLogger(__name__)
 
@@ -260,12 +260,7 @@ def read_whole(
     wherever it lands). The reader's side of EVENTS.md's rule "a closed file is whole and never changes". Never by
     the age of its modification time: that is the file server's clock, up to the maximum skew off this host's. An
     object store's object is whole as it is (a put is atomic)."""
-    if isinstance(store, Path) and key is None:
-        where: Store = LocalStore(store.parent)
-        key = store.name
-    else:
-        where = as_store(store)
-    assert key is not None
+    where, key = locate(store, key)
     try:
         content, e = where.read(key)
     except (FileNotFoundError, ChangingError):
