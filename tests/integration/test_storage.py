@@ -93,7 +93,10 @@ def model(ops: list[tuple]) -> list[object]:
     return said
 
 
-@settings(max_examples=int(os.environ.get("PHOTON_STORAGE_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+EXAMPLES = int(os.environ.get("PHOTON_STORAGE_EXAMPLES", "60"))  # more for a longer hunt
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_a_folder_and_a_bucket_answer_every_sequence_of_operations_alike(
     ops: list[tuple], bucket: str, tmp_path_factory: pytest.TempPathFactory
