@@ -125,11 +125,11 @@ def synthetic_output(logs: Path, out: Path, shape: str, start_us: int, commit_ev
             ("quarantine", qt, "decided_at_us"),
         )
         if shape == "one-file":
-            stage = out / "_staging" / dc
+            stage = f"_staging/{dc}"
             for kind, table, _ in kinds:
                 tables.stage_rows(root, kind, stage, "b0000000001-e1-p0", table, 1)
             tables.publish_batch(root, dc, 1, stage)
-            shutil.rmtree(stage)
+            shutil.rmtree(root / stage)
             continue
         # The 1-s micro-batch each row was decided in (batch 10^6 + k: second k of the hour; late clicks were decided
         # before it began): one data file per batch, kind and hour as the tasks write them.
@@ -143,7 +143,7 @@ def synthetic_output(logs: Path, out: Path, shape: str, start_us: int, commit_ev
                 if b > a:
                     by_batch.setdefault(int(batch[a]), []).append((kind, table.slice(a, b - a)))
         group: list[int] = []
-        stage = out / "_staging" / dc
+        stage = f"_staging/{dc}"
         last = max(by_batch)
         for k in sorted(by_batch):
             for kind, part in by_batch[k]:
@@ -151,7 +151,7 @@ def synthetic_output(logs: Path, out: Path, shape: str, start_us: int, commit_ev
             group.append(k)
             if len(group) == commit_every or k == last:
                 tables.publish_batch(root, dc, k, stage)
-                shutil.rmtree(stage)
+                shutil.rmtree(root / stage)
                 group.clear()
     counts["joined_files"] = sum(t.table().get_add_actions().num_rows for t in tables.tables(out, "joined"))
     return counts

@@ -65,7 +65,7 @@ def publish_hour(root: Path, batches: range, rows: int) -> list[float]:
     took = []
     for k in batches:
         t0 = time.monotonic()
-        stage = root / "_staging" / batch_tag(k, 1)
+        stage = f"_staging/{batch_tag(k, 1)}"
         for kind, n in ((JOINED, rows), (UNJOINABLE, int(k % 10 == 0)), (QUARANTINE, int(k % 60 == 0))):
             if n:
                 tables.stage_rows(root, kind, stage, f"{batch_tag(k, 1)}-t0", batch_rows(kind, k, n), k)

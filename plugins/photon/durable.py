@@ -50,22 +50,21 @@ class CorruptStateError(RuntimeError):
     manual change). The message names the file and what to do."""
 
 
-def check_parquet(path: Path, recover: str) -> None:
-    """Raise CorruptStateError naming ``path`` if it is empty or truncated (its footer is missing or unreadable)."""
+def check_parquet(data: bytes, name: str, recover: str) -> None:
+    """Raise CorruptStateError naming ``name`` (a path or URL) if ``data``, a Parquet file's bytes, is empty or
+    truncated (its footer is missing or unreadable)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    size = len(data)
+    if size < 12:
+        raise CorruptStateError(f"{name} is {'empty' if size == 0 else 'truncated'} ({size} bytes). {recover}")
+    if data[-4:] != b"PAR1":
+        raise CorruptStateError(f"{name} is truncated ({size} bytes, no Parquet footer). {recover}")
     try:
-        size = path.stat().st_size
-        if size < 12:
-            raise CorruptStateError(f"{path} is {'empty' if size == 0 else 'truncated'} ({size} bytes). {recover}")
-        with open(path, "rb") as fh:
-            fh.seek(-4, os.SEEK_END)
-            if fh.read(4) != b"PAR1":
-                raise CorruptStateError(f"{path} is truncated ({size} bytes, no Parquet footer). {recover}")
-        pq.ParquetFile(path).metadata  # noqa: B018  (reading the footer is the check)
+        pq.ParquetFile(pa.BufferReader(data)).metadata  # noqa: B018  (reading the footer is the check)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptStateError(f"{path} cannot be read ({exc}). {recover}") from None
+        raise CorruptStateError(f"{name} cannot be read ({exc}). {recover}") from None
 
 
 def secret_file(path: Path, make: Callable[[], str], *, replace: bool = False) -> str:

@@ -19,6 +19,7 @@ import functools
 import mmap
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,29 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove ``key``; a key already gone is no error."""
+        ...
+
+    def folders(self, prefix: str = "") -> list[str]:
+        """The names of the folders directly in the folder ``prefix`` (those holding an object), in key order."""
+        ...
+
+    def move(self, src: str, dst: str) -> bool:
+        """Put the object ``src`` at ``dst`` (replacing what is there) and remove ``src``: False if ``src`` is gone
+        (moved by someone else already). A folder renames; an object store copies on the server, then deletes, so
+        a reader may see both for a moment, never neither."""
+        ...
+
+    def remove_all(self, prefix: str) -> None:
+        """Remove every object under the folder ``prefix``; a folder already gone is no error."""
+        ...
+
+    def location(self, key: str) -> str:
+        """A path or URL naming ``key``, for messages."""
+        ...
+
+    def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
+        """Where ``deltalake`` finds the table at ``key``: its URI and storage options (credentials included, for
+        this process only: never logged)."""
         ...
 
     def child(self, prefix: str) -> Store:
@@ -284,6 +308,39 @@ class LocalStore:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such object
             self._path(key).unlink()
 
+    def folders(self, prefix: str = "") -> list[str]:
+        folder = prefix.strip("/")
+        try:
+            listed = list(os.scandir(self.root / _check_key(folder) if folder else self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted((e.name for e in listed if e.is_dir() and not e.name.endswith(TMP_SUFFIX)), key=str.encode)
+
+    def move(self, src: str, dst: str) -> bool:
+        target = self.root / _check_key(dst)
+        try:
+            make_dirs(target.parent)
+            os.replace(self._path(src), target)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {src} -> {dst}: {exc.strerror or exc}") from None
+        fsync_dir(target.parent)  # durable before the caller records the move
+        return True
+
+    def remove_all(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix.strip("/")), ignore_errors=True)
+
+    def location(self, key: str) -> str:
+        return str(self._path(key))
+
+    def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
+        return str(self._path(key)), {}
+
+    def path(self, key: str) -> Path:
+        """The file of ``key`` (a folder's readers may map it into memory rather than read it)."""
+        return self._path(key)
+
     def child(self, prefix: str) -> LocalStore:
         return LocalStore(self.root / _check_key(prefix.strip("/")))
 
@@ -306,6 +363,7 @@ class S3Store:
         endpoint = config.get("aws_endpoint_url") or os.environ.get("AWS_ENDPOINT_URL", "")
         if endpoint.startswith("http://"):
             config.setdefault("aws_allow_http", "true")
+        self._config = config
         try:
             if self.prefix:
                 _check_key(self.prefix)
@@ -462,6 +520,49 @@ class S3Store:
             return
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, key) from None
+
+    def folders(self, prefix: str = "") -> list[str]:
+        import obstore
+
+        folder = prefix.strip("/")
+        try:
+            level = obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None)
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, prefix) from None
+        return sorted((str(p).rstrip("/").rpartition("/")[2] for p in level["common_prefixes"]), key=str.encode)
+
+    def move(self, src: str, dst: str) -> bool:
+        import obstore
+
+        try:
+            obstore.copy(self._store, _check_read_key(src), _check_key(dst))
+        except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
+            return False
+        except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+            raise self._error(exc, f"{src} -> {dst}") from None
+        self.delete(src)
+        return True
+
+    def remove_all(self, prefix: str) -> None:
+        for e in self.listing(prefix):
+            self.delete(e.key)
+
+    def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
+        options = {k: v for k, v in self._config.items()}
+        # The standard variables, as obstore reads them (deltalake's own reading of the environment differs)
+        for name in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_REGION",
+        ):
+            if os.environ.get(name) and name.lower() not in options:
+                options[name.lower()] = os.environ[name]
+        return self.location(key), options
+
+    def location(self, key: str) -> str:
+        return f"s3://{self.bucket}/{'/'.join(p for p in (self.prefix, _check_read_key(key)) if p)}"
 
     def child(self, prefix: str) -> S3Store:
         _check_key(prefix.strip("/"))

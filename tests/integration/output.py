@@ -51,7 +51,7 @@ def data_files(out: Path, kind: str, pipeline: str) -> list[str]:
 def staged(task: Any, kind: str) -> list[dict[str, Any]]:
     """The ``kind`` rows a task wrote for its batch, not yet published: the data files its add records name."""
     found = []
-    for record in sorted((Path(task.stage) / "_adds").glob(f"{kind}-*.json")):
+    for record in sorted((Path(task.root, task.stage) / "_adds").glob(f"{kind}-*.json")):
         for add in json.loads(record.read_text())["files"]:
             found += pq.read_table(Path(task.root) / kind / add["path"]).to_pylist()
     return found

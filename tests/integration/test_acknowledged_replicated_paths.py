@@ -274,7 +274,7 @@ def test_the_verifier_rolls_forward_no_batch_the_standby_never_held(pair: Any, t
     (out / "dc-a" / "_pipeline.json").write_text(json.dumps({"pipeline": "dc-a", "dc": "dc-a"}) + "\n")
     tag = batch_tag(1, lease.epoch)
     row = {f.name: [None] for f in JOINED_SCHEMA} | {"click_id": [click], "click_ts_us": [now], "pipeline": ["dc-a"]}
-    stage_rows(out / "dc-a", JOINED, out / "dc-a" / "_staging" / tag, f"{tag}-p0000", pa.table(row, JOINED_SCHEMA), 1)
+    stage_rows(out / "dc-a", JOINED, f"_staging/{tag}", f"{tag}-p0000", pa.table(row, JOINED_SCHEMA), 1)
 
     # A's joiner process commits batch 1; the wait is cancelled; it retries (the barrier waits) and dies.
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}

@@ -41,7 +41,7 @@ def _index(logs: Path, rel: str, store: Path, name: str, bucket_s: int) -> int:
     content = (logs / rel).read_bytes()
     good, bad, offsets, lengths = parse_file_located(rel, content, "queries")
     assert bad.num_rows == 0
-    write_index(index_of(good, rel, offsets, lengths), store, name, bucket_s)
+    write_index(index_of(good, rel, offsets, lengths), store, "", name, bucket_s)
     return good.num_rows
 
 
@@ -103,7 +103,9 @@ def test_a_recovered_click_joins_through_the_recovered_copy_of_its_query_when_th
     # The verifier's recovered copy, indexed by this batch's first stage.
     recovered = log_path(logs.parents[1], "dc-a", "queries", f"recovered-{now - US}.jsonl", now - US)
     _write(recovered, line)
-    assert _index(logs, _rel(task, recovered), Path(task.stage) / "eventstore", f"{task.tag}-q000000", 10) == 1
+    assert (
+        _index(logs, _rel(task, recovered), Path(task.root, task.stage) / "eventstore", f"{task.tag}-q000000", 10) == 1
+    )
 
     rows = candidates([(t0 + 2 * US, t0)], now)
     rows = rows.set_column(

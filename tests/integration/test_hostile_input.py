@@ -59,7 +59,7 @@ def store(task: Any, *query_ts: int) -> None:
     (Path(task.logs) / "q-store.jsonl").write_bytes(content)
     good, _, offsets, lengths = parse_file_located("q-store.jsonl", content, "queries")
     index = index_of(good, "q-store.jsonl", offsets, lengths)
-    write_index(index, Path(task.stage) / "eventstore", f"{task.tag}-q000000", task.bucket_s)
+    write_index(index, Path(task.root, task.stage) / "eventstore", "", f"{task.tag}-q000000", task.bucket_s)
 
 
 def outputs(task: Any, kind: str) -> list[dict[str, Any]]:
@@ -98,7 +98,7 @@ def test_a_click_stamped_ahead_within_the_bound_still_reaches_an_outcome_in_time
     (waiting,) = pq.read_table(Path(task.state) / "retries" / task.tag).to_pylist()
     assert waiting["due_us"] <= now + 10 * US + delay  # never scheduled past first seen + skew + delay
     later = now + 10 * US + delay + US
-    task2 = replace(task, now=later, tag="b0000000002-e1", stage=str(tmp_path / "stage2"))
+    task2 = replace(task, now=later, tag="b0000000002-e1", stage="_staging/b0000000002-e1")
     counts, _ = join_partition(task2, pa.Table.from_pylist([waiting | {"due_us": later}], CANDIDATE), 0)
     assert counts["unjoinable"] == 1
     assert [r["reason"] for r in outputs(task2, UNJOINABLE)] == [REASON_TOO_LATE]
@@ -189,9 +189,10 @@ def test_a_query_stamped_ahead_or_before_plausible_time_is_quarantined_with_its_
     assert "ahead of the joiner's clock" in bad[0]["reason"] and bad[1]["reason"] == REASON_BEFORE
     assert bad[0]["raw"] == query_line(now + 3 * DAY)
     stored = pa.concat_tables(
-        pa.ipc.open_file(pa.memory_map(str(p))).read_all() for p in (Path(task.stage) / "eventstore").rglob("*.arrow")
+        pa.ipc.open_file(pa.memory_map(str(p))).read_all()
+        for p in (Path(task.root, task.stage) / "eventstore").rglob("*.arrow")
     )
-    assert stored["ts_us"].to_pylist() == [now - US] and index_rows(Path(task.stage) / "eventstore") == 1
+    assert stored["ts_us"].to_pylist() == [now - US] and index_rows(Path(task.root, task.stage) / "eventstore") == 1
     assert stored["offset"].to_pylist() == [0] and stored["length"].to_pylist() == [len(query_line(now - US))]
 
 
@@ -384,7 +385,9 @@ def test_a_click_whose_stored_query_no_longer_reads_back_is_unjoinable_with_that
     lines = [query_line(short), query_line(long).replace(b'"shoes"', b'"' + b"running shoes " * 8 + b'"')]
     content = lines[0] + b"\n" + lines[1] + b"\n"
     good, _, offsets, lengths = parse_file_located("q-reshipped.jsonl", content, "queries")
-    write_index(index_of(good, "q-reshipped.jsonl", offsets, lengths), Path(task.stage) / "eventstore", "r", 10)
+    write_index(
+        index_of(good, "q-reshipped.jsonl", offsets, lengths), Path(task.root, task.stage) / "eventstore", "", "r", 10
+    )
     (Path(task.logs) / "q-reshipped.jsonl").write_bytes(lines[1] + b"\n" + lines[0] + b"\n")
     clicks = [(now - 200 * US, stored), (now - 199 * US, never), (now - 198 * US, short), (now - 197 * US, long)]
     counts, _ = join_partition(task, candidates(clicks, now), 0)

@@ -215,7 +215,7 @@ def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int
         batch=1,
         root=str(tmp_path / "out" / "dc-a"),
         now=now,
-        stage=str(tmp_path / "stage"),
+        stage="_staging/b0000000001-e1",
         state=str(tmp_path / "state"),
         logs=str(tmp_path / "logs" / "dc-a" / "queries"),
         servers=tuple(servers.items()),

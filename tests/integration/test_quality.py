@@ -157,7 +157,7 @@ def commit(out: Path, pipeline: str, rows: dict[str, Any], batch: int) -> None:
     (its tasks stage the data files, its driver commits them under its txn). A row without its time, which a task
     cannot place in an hour, is appended by deltalake to the table's null hour: a broken row the check must see."""
     root = out / pipeline
-    stage = out / "_staging" / f"{pipeline}-{batch}"
+    stage = f"_staging/{pipeline}-{batch}"
     broken: dict[str, pa.Table] = {}
     for kind, found in rows.items():
         schema = tables.ROW_SCHEMAS[kind]
@@ -170,7 +170,7 @@ def commit(out: Path, pipeline: str, rows: dict[str, Any], batch: int) -> None:
         tables.stage_rows(root, kind, stage, f"b{batch:010d}-e1-p0", table.filter(timed), batch)
         broken[kind] = table.filter(pc.invert(timed))
     tables.publish_batch(root, pipeline, batch, stage)
-    shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(root / stage, ignore_errors=True)
     for kind, table in broken.items():
         if table.num_rows:
             table = table.append_column(tables.BATCH, pa.array([batch] * table.num_rows, pa.int64()))
@@ -588,7 +588,7 @@ def test_data_files_no_commit_names_are_never_counted(tmp_path: Path) -> None:
     (committed,) = (out / "dc-a" / "joined").glob("hour=*/*.parquet")
     shutil.copy(committed, committed.with_name("b0000000002-e1-p0-copy.parquet"))
     crashed = pa.Table.from_pylist([World.row(ts, "dc-b") for ts in UNREAD], schema=JOINED_SCHEMA)
-    assert tables.stage_rows(out / "dc-b", "joined", out / "_staging" / "crashed", "b0000000002-e1-p0", crashed, 2)
+    assert tables.stage_rows(out / "dc-b", "joined", "_staging/crashed", "b0000000002-e1-p0", crashed, 2)
     r = check_quality(out, logs, START, END)
     assert r.failed == [NO_OUTCOME], r.details
     assert (r.joined, r.joined_more_than_once, r.no_outcome) == (N, 0, len(UNREAD))

@@ -44,7 +44,7 @@ def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         ensure_tables(root)
         for b, n in enumerate(batches, 1):
             ids = [f"10.0.0.1-1-{pipeline[-1]}{b}{k:03d}" for k in range(n)]
-            stage = root / "_staging" / f"b{b}"
+            stage = f"_staging/b{b}"
             stage_rows(root, "joined", stage, f"b{b}-e1-p0", _joined(pipeline, ids), b)
             if b < 3:  # dc-a's batch 3 crashed before its commit: its data file is there, named by no commit
                 publish_batch(root, pipeline, b, stage)

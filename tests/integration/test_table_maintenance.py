@@ -62,9 +62,10 @@ def rows(pipeline: str, batch: int, n: int, hours: int = 2) -> pa.Table:
     return pa.table(cols, schema=JOINED_SCHEMA)
 
 
-def stage(root: Path, batch: int, n: int, epoch: int = 1) -> Path:
-    """Stage batch ``batch`` as a joiner's tasks do: data files in the table's folder, their adds under the stage."""
-    folder = root / "_staging" / batch_tag(batch, epoch)
+def stage(root: Path, batch: int, n: int, epoch: int = 1) -> str:
+    """Stage batch ``batch`` as a joiner's tasks do: data files in the table's folder, their adds under the stage
+    (returned: its key under ``root``)."""
+    folder = f"_staging/{batch_tag(batch, epoch)}"
     tables.stage_rows(root, JOINED, folder, f"{batch_tag(batch, epoch)}-t0", rows(root.name, batch, n), batch)
     return folder
 
@@ -128,7 +129,7 @@ def test_vacuum_deletes_old_unreferenced_files_never_committed_or_staged_ones(tm
     # was committed to the registry but its pipeline died before publishing: its stage is still there.
     crashed = stage(root, 6, 5)
     orphans = sorted(str(p.relative_to(table)) for p in table.rglob("b0000000006-*.parquet"))
-    shutil.rmtree(crashed)
+    shutil.rmtree(root / crashed)
     stage(root, 7, 5)
     unpublished_files = sorted(p for p in table.rglob("b0000000007-*.parquet"))
     young_orphan = table / "hour=2026010100" / "young.parquet"

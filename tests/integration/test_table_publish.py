@@ -64,7 +64,7 @@ def _stage(root: Path, batch: int, rows: int) -> None:
         },
         schema=UNJOINABLE_SCHEMA,
     )
-    stage_rows(root, "unjoinable", root / "_staging" / f"b{batch:010d}-e1", f"b{batch:010d}-e1-p0000", table, batch)
+    stage_rows(root, "unjoinable", f"_staging/b{batch:010d}-e1", f"b{batch:010d}-e1-p0000", table, batch)
 
 
 def test_three_processes_publishing_the_same_batches_at_once_commit_each_once(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def log_and_index(logs: Path, folder: Path, file: str, content: bytes, name: str
     (logs / file).parent.mkdir(parents=True, exist_ok=True)
     (logs / file).write_bytes(content)
     good, _, offsets, lengths = parse_file_located(file, content, "queries")
-    write_index(index_of(good, file, offsets, lengths), folder, name, BUCKET_S)
+    write_index(index_of(good, file, offsets, lengths), folder, "", name, BUCKET_S)
 
 
 def store_queries(logs: Path, folder: Path, name: str, ts: list[int], text: str = "q") -> None:

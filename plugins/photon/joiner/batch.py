@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from photon.durable import make_dirs
 from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag, code_fingerprint
 from photon.joiner.discovery import Discovery, _marks_before
 from photon.joiner.eventstore import index_rows
-from photon.joiner.publish import publish_files
+from photon.joiner.publish import STAGING, STATE, publish_files, stage_key
 from photon.joiner.state import Lease, PipelineState
 from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _source_task, _Task, read_markers
 from photon.logs.parse import BAD_FIELDS
@@ -30,7 +27,7 @@ from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
 from photon.spark_session import is_remote
-from photon.storage import Store
+from photon.storage import Entry, Store
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ class BatchRunner:
         dc: str,
         pipeline: str,
         logs: Store,
-        root: Path,
+        root: Store,
         servers: Mapping[str, str],
         spark: Any,
         settings: JoinSettings,
@@ -56,13 +53,14 @@ class BatchRunner:
         self.dc, self.pipeline, self.logs, self.servers, self.spark = dc, pipeline, logs, dict(servers), spark
         self.s, self.clock, self.state, self.discovery = settings, clock, state, discovery
         self.parallelism = parallelism
-        self.root = root
-        self.state_dir = root / "_state"
-        self.staging = root / "_staging"
+        self._sizes: dict[str, int] = {}
+        self.root = root  # <out>/<pipeline>: a folder or a prefix of a bucket
+        self.state_store = root.child(STATE)
         self.last_batch = 0  # last batch committed (by this lease or before it)
-        self.retry_dir: Path | None = None  # the last committed batch's retry set
+        self.retry_key: str | None = None  # the last committed batch's retry set: a folder of ``self.state``
+        self._retry_due: tuple[str, np.ndarray] | None = None  # its due times, read once (a retry set never changes)
         self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
-        self.shared_index: Path | None = None  # a backfill's: the data center's shared query index
+        self.shared_index: Store | None = None  # a backfill's: the data center's shared query index
 
     def warm_up(self) -> None:
         """Run a batch's own job once before the take-over, so the first batch after it costs what any batch costs (a
@@ -72,15 +70,18 @@ class BatchRunner:
         buckets, which the workers' EventStore caches load looking for them), decided unjoinable into a throwaway
         stage folder. It reads the registry and the pipeline's store and writes nothing but its own folder, removed
         after. A failure here costs only the warm-up."""
-        folder = self.staging / f"warm-up-{os.uname().nodename}-{os.getpid()}"
+        folder = f"{STAGING}/warm-up-{os.uname().nodename}-{os.getpid()}"
         try:
-            self._dry_batch(folder)
+            self._dry_batch(self.root.child(folder))
         except Exception as exc:  # an optimisation: the lease works without it
             log.warning("%s: warm-up batch failed (the first batch will be slower): %r", self.pipeline, exc)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                self.root.remove_all(folder)
+            except OSError as exc:
+                log.warning("%s: warm-up folder %s left: %s", self.pipeline, folder, exc)
 
-    def _dry_batch(self, folder: Path) -> None:
+    def _dry_batch(self, folder: Store) -> None:
         now = self.clock.now_us()
         bucket_us = self.s.bucket_s * US
         buckets = int(self.s.max_join_delay_s // self.s.bucket_s) + 2  # the buckets the next clicks' queries are in
@@ -94,12 +95,10 @@ class BatchRunner:
         ]
         sources = []
         for kind, lines in (("queries", [query]), ("clicks", clicks)):
-            path = folder / kind / f"warm-up-{kind}.jsonl"
-            make_dirs(path.parent)
-            path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
-            sources.append((kind, str(path), path.name))
-        # No click registered (token 0); its made-up output stays in its own folder.
-        t = self._task("warm-up", now, folder / "stage", 0, 0, root=folder / "out", source_root=str(folder))
+            folder.put(f"{kind}/warm-up-{kind}.jsonl", b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            sources.append((kind, "", f"warm-up-{kind}.jsonl"))
+        # No click registered (token 0); its made-up logs and output stay in its own folder.
+        t = self._task("warm-up", now, "stage", 0, 0, root=folder.url, source_root=folder.url)
         rows = self._job(t, sources)
         decided = sum(int(r["unjoinable"]) for r in rows)
         if decided != len(clicks) or any(int(r["joined"]) or int(r["retried"]) for r in rows):
@@ -110,22 +109,34 @@ class BatchRunner:
         starting a Spark job while the joiner is idle."""
         import pyarrow.parquet as pq
 
-        if self.retry_dir is None or not any(self.retry_dir.glob("*.parquet")):
+        if self.retry_key is None:
             return 0, 0
-        due_us = pq.read_table(self.retry_dir, columns=["due_us"])["due_us"].to_numpy()
+        if self._retry_due is None or self._retry_due[0] != self.retry_key:
+            due = [np.zeros(0, np.int64)]
+            for e in self.retry_files():
+                table = pq.read_table(pa.BufferReader(self.state_store.get(e.key)), columns=["due_us"])
+                due.append(table["due_us"].to_numpy())
+            self._retry_due = (self.retry_key, np.concatenate(due))
+        due_us = self._retry_due[1]
         return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
 
+    def retry_files(self) -> list[Entry]:
+        """The files of the last committed batch's retry set, in the pipeline's state."""
+        if self.retry_key is None:
+            return []
+        return [e for e in self.state_store.files(self.retry_key) if e.key.endswith(".parquet")]
+
     def _task(
-        self, tag: str, now: int, stage: Path, token: int, batch: int, root: Path | None = None, source_root: str = ""
+        self, tag: str, now: int, stage: str, token: int, batch: int, root: str = "", source_root: str = ""
     ) -> _Task:
         return _Task(
             dc=self.pipeline,
             tag=tag,
             batch=batch,
-            root=str(root or self.root),  # the warm-up's made-up output stays in its own folder
+            root=root or self.root.url,  # the warm-up's made-up output stays in its own folder
             now=now,
-            stage=str(stage),
-            state=str(self.state_dir),  # the workers' EventStore caches are keyed by it
+            stage=stage,
+            state=self.state_store.url,  # the workers' EventStore caches are keyed by it
             logs=self.logs.child(f"{self.dc}/queries").url,
             source_root=source_root or self.logs.child(self.dc).url,
             servers=tuple(sorted(self.servers.items())),
@@ -143,7 +154,7 @@ class BatchRunner:
             clock_offset_us=self.clock.offset.offset_us,
             settle_s=self.s.settle_s,
             horizon_us=self.horizon_us,
-            shared_index=str(self.shared_index) if self.shared_index is not None else None,
+            shared_index=self.shared_index.url if self.shared_index is not None else None,
             settled={f"{k}/{n}": [size, tag] for (k, n), (size, tag) in self.discovery.settled_as.items()},
             replication=replication_mode(),
             # Checked on a Spark Connect server only: its workers outlive any one joiner, so they may hold older code.
@@ -155,8 +166,8 @@ class BatchRunner:
         steps 2-6 per partition of click ids; one row of counts per task."""
         from pyspark.sql.pandas.types import from_arrow_schema
 
-        # A log file's size as listed (its path is the task's to open); a retry set's on disk
-        sizes = [self.discovery.sizes.get((k, rel), 0) if not p else _size(p) for k, p, rel in sources]
+        # A log file's size as listed (its path is the task's to open); a retry set's file's as listed
+        sizes = [self.discovery.sizes.get((k, rel), 0) if not p else self._sizes.get(p, 0) for k, p, rel in sources]
         groups = balanced_groups(sizes, self.parallelism)
         return (
             self._tasks(len(groups))
@@ -176,12 +187,14 @@ class BatchRunner:
         t_start = time.time()
         now = self.clock.now_us()
         tag = batch_tag(k, lease.epoch)
-        t = self._task(tag, now, self.staging / tag, lease.token(k).value, k)
+        stage = stage_key(k, lease.epoch)
+        t = self._task(tag, now, stage, lease.token(k).value, k)
         metrics: dict[str, Any] = {"started_at_us": now, "query_files": len(q_files), "click_files": len(c_files)}
 
         sources = [("queries", "", n) for n in q_files] + [("clicks", "", n) for n in c_files]  # in t.source_root
-        if self.retry_dir is not None:
-            sources += [("retries", str(p), p.name) for p in sorted(self.retry_dir.glob("*.parquet"))]
+        retry_files = self.retry_files()
+        self._sizes = {e.key: e.size for e in retry_files}
+        sources += [("retries", e.key, e.key.rpartition("/")[2]) for e in retry_files]  # keys in the state
         counts = dict.fromkeys(JOIN_COUNTS, 0)
         latencies: list[float] = []
         if sources:
@@ -190,12 +203,12 @@ class BatchRunner:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
-        skipped, read = read_markers(Path(t.stage))
-        changed = self._quarantine_changed(Path(t.stage), tag, now, k)
+        skipped, read = read_markers(self.root, stage)
+        changed = self._quarantine_changed(stage, tag, now, k)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
-        metrics["queries"] = index_rows(Path(t.stage) / "eventstore")
-        metrics["quarantined"] = staged_rows(Path(t.stage), QUARANTINE)
+        metrics["queries"] = index_rows(self.root, f"{stage}/eventstore")
+        metrics["quarantined"] = staged_rows(self.root, stage, QUARANTINE)
         q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
         metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
         metrics["duration_s"] = time.time() - t_start
@@ -213,13 +226,13 @@ class BatchRunner:
         _maybe_crash("after_commit", k, k - lease.last_batch)
         self.publish(k, lease.epoch, k - lease.last_batch)
         self.discovery.committed(files, read, changed, marks)  # consumed; behind the marks: forgotten
-        self.retry_dir = self.state_dir / "retries" / t.tag
+        self.retry_key = f"retries/{t.tag}"
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
         log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
         return BatchResult(k, metrics)
 
-    def _quarantine_changed(self, stage: Path, tag: str, now: int, batch: int) -> int:
+    def _quarantine_changed(self, stage: str, tag: str, now: int, batch: int) -> int:
         """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""
         changed = self.discovery.changed
         n = len(changed)
@@ -240,13 +253,6 @@ class BatchRunner:
 
         publish_files(self.root, self.pipeline, k, epoch, crash_point)
         self.state.mark_published(k)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return 0  # its task finds it gone (a retry set behind a lease start) the same way
 
 
 def balanced_groups(sizes: list[int], n: int) -> list[list[int]]:

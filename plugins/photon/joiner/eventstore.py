@@ -7,14 +7,15 @@ reads just the lines of the queries its clicks want and parses them again. A bat
 line anyway (every line must become an event or a quarantine record), so storing the index costs about 50 bytes per
 query instead of a copy of every query, and a lookup reads a few lines instead of whole buckets of queries.
 
-Storage is Arrow IPC files under ``<pipeline>/_state/eventstore/bucket=<n>/<batch tag>-q<i>.arrow``, memory-mapped
-when read: a batch stages its index under its own staging folder and moves it there, under the same file name, once
-the batch is committed. The cache (Photon's CacheEventStore) lives in the Spark executors' Python workers, which the
-session keeps alive across micro-batches: each worker holds the most recently used buckets' indexes in memory and,
-on every lookup, lists the bucket's folders and reads only the files it has not seen. A lookup whose bucket was
-resident is a hit; a bucket that has to be read from storage is a miss. Files that vanished (a staged batch that
-never committed) are dropped from the cache, so a lookup never sees queries of an uncommitted batch other than its
-own. A batch's own staged files are cached under their names too: they keep them when the batch commits.
+Storage is Arrow IPC files under ``<pipeline>/_state/eventstore/bucket=<n>/<batch tag>-q<i>.arrow`` (in a folder,
+memory-mapped when read; in an object store, read whole): a batch stages its index under its own staging folder and
+moves it there, under the same file name, once the batch is committed. The cache (Photon's CacheEventStore) lives in the
+Spark executors' Python workers, which the session keeps alive across micro-batches: each worker holds the most recently
+used buckets' indexes in memory and, on every lookup, lists the bucket's folders and reads only the files it has not
+seen. A lookup whose bucket was resident is a hit; a bucket that has to be read from storage is a miss. Files that
+vanished (a staged batch that never committed) are dropped from the cache, so a lookup never sees queries of an
+uncommitted batch other than its own. A batch's own staged files are cached under their names too: they keep them when
+the batch commits.
 
 Stores written before the index (``.parquet`` files holding whole queries) are still read.
 """
@@ -22,21 +23,18 @@ Stores written before the index (``.parquet`` files holding whole queries) are s
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.durable import CorruptStateError, write_durably
+from photon.durable import CorruptStateError
 from photon.logs.ids import valid_ids
-from photon.storage import Store, as_store, cached_store
+from photon.storage import LocalStore, StorageError, Store, as_store, cached_store, locate
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -99,8 +97,11 @@ class LookupStats:
 class EventStoreCache:
     """Per-process cache of stored buckets for one pipeline's EventStore, over one data center's query logs."""
 
-    def __init__(self, root: Path, logs: Path | str | Store, max_buckets: int, max_rows: int = 20_000_000):
-        self.root = root
+    def __init__(
+        self, root: Path | str | Store, logs: Path | str | Store, max_buckets: int, max_rows: int = 20_000_000
+    ):
+        # The store's folder (a pipeline's _state/eventstore, a shared index), a folder or an object store
+        self.root = cached_store(root) if isinstance(root, str) else as_store(root)
         # <logs>/<dc>/queries, a folder or a store: index rows name their files relative to it
         self.logs = cached_store(logs) if isinstance(logs, str) else as_store(logs)
         self.max_buckets = max(1, max_buckets)
@@ -108,11 +109,11 @@ class EventStoreCache:
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
 
     def lookup(
-        self, query_ids: pa.Array, bucket_s: int, staged: Path | None = None
+        self, query_ids: pa.Array, bucket_s: int, staged: tuple[Store, str] | Path | None = None
     ) -> tuple[pa.Table, np.ndarray, LookupStats]:
         """(queries, found, stats): row i of ``queries`` is the query of ``query_ids[i]`` where ``found[i]``.
-        ``staged`` is the running batch's own staged store: its files are cached under their names, which they keep
-        when the batch is committed and moved into the store."""
+        ``staged`` is the running batch's own staged store (a store and the folder's key in it, or a path): its
+        files are cached under their names, which they keep when the batch is committed and moved into the store."""
         from photon.logs.parse import QUERY_FIELDS
 
         stats = LookupStats(lookups=len(query_ids), unreadable=np.zeros(len(query_ids), bool))
@@ -234,16 +235,18 @@ class EventStoreCache:
             )
         return got, ok
 
-    def _bucket(self, b: int, staged: Path | None, stats: LookupStats) -> _Bucket:
-        names = {}
-        for root in (self.root, staged):
-            folder = root / f"bucket={b}" if root is not None else None
-            if folder is not None and folder.is_dir():
-                try:
-                    listed = os.listdir(folder)
-                except FileNotFoundError:  # pruned behind the registry's horizon just now (query_index.prune)
-                    listed = []
-                names.update({n: folder / n for n in listed if n.endswith((INDEX_SUFFIX, LEGACY_SUFFIX))})
+    def _bucket(self, b: int, staged: tuple[Store, str] | Path | None, stats: LookupStats) -> _Bucket:
+        names: dict[str, tuple[Store, str]] = {}
+        places: list[tuple[Store, str]] = [(self.root, "")]
+        if staged is not None:
+            places.append(staged if isinstance(staged, tuple) else (as_store(staged), ""))
+        for store, prefix in places:
+            folder = f"{prefix}/bucket={b}" if prefix else f"bucket={b}"
+            # One listing per bucket and lookup (a folder gone: pruned behind the registry's horizon just now)
+            for e in store.files(folder):
+                name = e.key.rpartition("/")[2]
+                if name.endswith((INDEX_SUFFIX, LEGACY_SUFFIX)):
+                    names[name] = (store, e.key)
         entry = self.buckets.pop(b, None) or _Bucket()
         self.buckets[b] = entry  # most recently used last
         changed = False
@@ -255,10 +258,8 @@ class EventStoreCache:
             files = entry.files if name.endswith(INDEX_SUFFIX) else entry.legacy
             if name not in files:
                 try:
-                    files[name] = read_store_file(names[name])
-                except CorruptStateError:
-                    if names[name].exists():
-                        raise
+                    files[name] = read_store_file(*names[name])
+                except FileNotFoundError:
                     continue  # pruned between the listing and the read: as if not listed
                 stats.files_read += 1
                 changed = True
@@ -337,14 +338,30 @@ def _first_rows(pool_ids: pa.ChunkedArray, wanted: pa.Array, query_ids: pa.Array
     return np.where(at >= 0, row_of[np.maximum(at, 0)] if len(row_of) else -1, -1)
 
 
-def read_store_file(path: Path) -> pa.Table:
-    """One store file: an index (memory-mapped, nothing copied) or a legacy file of whole queries."""
+def read_store_file(where: Path | Store, key: str | None = None) -> pa.Table:
+    """One store file (``key`` in a store, or the path ``where``): an index (a folder's memory-mapped, nothing
+    copied) or a legacy file of whole queries. FileNotFoundError if it is gone; CorruptStateError, naming it, if it
+    cannot be read."""
+    store, key = locate(where, key)
+    name = store.location(key)
     try:
-        if path.name.endswith(INDEX_SUFFIX):
-            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        return pq.read_table(path, columns=STORED_COLUMNS)
+        if isinstance(store, LocalStore):
+            path = store.path(key)
+            if key.endswith(INDEX_SUFFIX):
+                return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            return pq.read_table(path, columns=STORED_COLUMNS)
+        data = pa.py_buffer(store.get(key))
+        if key.endswith(INDEX_SUFFIX):
+            return pa.ipc.open_file(data).read_all()
+        return pq.read_table(pa.BufferReader(data), columns=STORED_COLUMNS)
+    except FileNotFoundError:
+        raise
+    except StorageError as exc:
+        if store.atomic:
+            raise  # an object store that failed: the task fails and runs again, never a file taken for damaged
+        raise CorruptStateError(f"{name} cannot be read ({exc}). {RECOVER_STORE}") from None
     except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptStateError(f"{path} cannot be read ({exc}). {RECOVER_STORE}") from None
+        raise CorruptStateError(f"{name} cannot be read ({exc}). {RECOVER_STORE}") from None
 
 
 def _nulls(n: int) -> pa.Table:
@@ -359,9 +376,9 @@ _CACHES: dict[str, EventStoreCache] = {}
 MAX_CACHES = 4
 
 
-def cache_for(root: Path, logs: str, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
-    """The process's cache for one pipeline's store (Python workers are reused across tasks and batches); ``logs``:
-    the URL (or folder) of ``<logs>/<dc>/queries``."""
+def cache_for(root: Path | str, logs: str, max_buckets: int, max_rows: int = 20_000_000) -> EventStoreCache:
+    """The process's cache for one pipeline's store (``root``: the URL or folder of its EventStore; Python workers
+    are reused across tasks and batches); ``logs``: the URL (or folder) of ``<logs>/<dc>/queries``."""
     key = str(root)
     cache = _CACHES.pop(key, None)
     if cache is None or (cache.logs.url, cache.max_buckets, cache.max_rows) != (
@@ -369,41 +386,32 @@ def cache_for(root: Path, logs: str, max_buckets: int, max_rows: int = 20_000_00
         max_buckets,
         max_rows,
     ):
-        cache = EventStoreCache(root, logs, max_buckets, max_rows)
+        cache = EventStoreCache(key, logs, max_buckets, max_rows)
     _CACHES[key] = cache  # last: the most recently used
     while len(_CACHES) > MAX_CACHES:
         del _CACHES[next(iter(_CACHES))]
     return cache
 
 
-def write_index(index: pa.Table, folder: Path, name: str, bucket_s: int) -> dict[int, int]:
-    """Store index rows by bucket under ``folder/bucket=<n>/<name>.arrow``; {bucket: rows}."""
+def write_index(index: pa.Table, root: Path | Store, folder: str, name: str, bucket_s: int) -> dict[int, int]:
+    """Store index rows by bucket under ``<folder>/bucket=<n>/<name>.arrow`` of ``root`` (``folder`` "" for its
+    top); {bucket: rows}. Each file written whole (a retried task writes the same name again)."""
+    store = as_store(root)
+    top = f"{folder.strip('/')}/" if folder.strip("/") else ""
     buckets = bucket_of(index.column("ts_us").to_numpy(), bucket_s)
     written = {}
     for b in np.unique(buckets).tolist():
         part = index.filter(pa.array(buckets == b)).combine_chunks()
         part = part.unify_dictionaries()  # one dictionary per file: the IPC file format allows no replacement
-        write_durably(folder / f"bucket={b}" / f"{name}{INDEX_SUFFIX}", partial(_write_ipc, part))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, part.schema) as writer:
+            writer.write_table(part)
+        store.put(f"{top}bucket={b}/{name}{INDEX_SUFFIX}", sink.getvalue().to_pybytes())
         written[int(b)] = part.num_rows
     return written
 
 
-def _write_ipc(table: pa.Table, fh: BinaryIO) -> None:
-    with pa.ipc.new_file(fh, table.schema) as writer:
-        writer.write_table(table)
-
-
-def index_rows(folder: Path) -> int:
-    """Queries indexed under a store folder, from the files' footers."""
-    if not folder.is_dir():
-        return 0
-    total = 0
-    for path in folder.rglob(f"*{INDEX_SUFFIX}"):
-        reader = pa.ipc.open_file(pa.memory_map(str(path)))
-        total += sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-    return total
-
-
-def atomic_write(table: pa.Table, path: Path) -> None:
-    """Write a Parquet file whole or not at all, and durably (photon.durable): every file a batch commits."""
-    write_durably(path, lambda fh: pq.write_table(table, fh))
+def index_rows(root: Path | Store, folder: str = "") -> int:
+    """Queries indexed under ``folder`` of a store (a batch's staged index)."""
+    store = as_store(root)
+    return sum(read_store_file(store, e.key).num_rows for e in store.listing(folder) if e.key.endswith(INDEX_SUFFIX))

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,12 +33,13 @@ from photon.joiner.common import (
 )
 from photon.joiner.discovery import Discovery, oldest_partition, query_index_range
 from photon.joiner.eventstore import RECOVER_STORE, read_store_file
+from photon.joiner.publish import STAGING, STATE
 from photon.joiner.state import Heartbeat, Lease, PipelineState
 from photon.logs.layout import partition_start_us
 from photon.logs.tables import ensure_tables
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.spark_session import default_parallelism
-from photon.storage import open_store
+from photon.storage import Entry, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class Joiner:
         self,
         dc: str,
         logs: Path | str,
-        out: Path,
+        out: Path | str,
         servers: Mapping[str, str],
         spark: Any,
         settings: JoinSettings | None = None,
@@ -68,8 +67,9 @@ class Joiner:
         # Absolute: the executors (a Spark Connect server's workers, a cluster's) have working folders of their own.
         # An s3:// URL: read through the store by the driver and by every executor, with the workers' credentials.
         self.logs = open_store(logs if str(logs).startswith("s3://") else Path(logs).resolve())
-        out = Path(out).resolve()
-        self.dc, self.out = dc, out
+        # The output likewise: its tables, the pipeline's state and the shared query index
+        self.out = open_store(out if str(out).startswith("s3://") else Path(out).resolve())
+        self.dc = dc
         self.pipeline = pipeline or dc
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,30}", self.pipeline):
             raise ValueError(
@@ -81,9 +81,8 @@ class Joiner:
         self.s = settings or JoinSettings()
         self.clock = clock or ServerClock(self.servers["main"], self.s.max_clock_skew_s)
         self.state = PipelineState(self.servers["main"], self.pipeline)
-        self.root = out / self.pipeline
-        self.state_dir = self.root / "_state"
-        self.staging = self.root / "_staging"
+        self.root = self.out.child(self.pipeline)
+        self.state_store = self.root.child(STATE)
         ensure_tables(self.root)  # before any lease: an --out holding something else is refused, untouched
         self.lease: Lease | None = None
         self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
@@ -124,23 +123,18 @@ class Joiner:
         if lease is None:
             return None
         self.lease = lease
-        self.root.mkdir(parents=True, exist_ok=True)
-        meta = self.root / "_pipeline.json"  # which logs this output came from (the auditor reads it)
-        tmp = meta.with_name(f"._pipeline.json.{os.getpid()}")
-        tmp.write_text(json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n")
-        os.replace(tmp, meta)
+        # Which logs this output came from (the auditor reads it)
+        self.root.put("_pipeline.json", (json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n").encode())
         committed = {(b, e): published for b, e, published in self.state.open_batches()}
         for (b, e), published in sorted(committed.items()):
             if not published:
                 self.batches.publish(b, e)
                 self.state.heartbeat(lease)  # alive while it publishes: a standby must not take it for dead
         keep = {batch_tag(*max(committed))} if committed else set()  # the last batch's retry set: the live one
-        shutil.rmtree(self.staging, ignore_errors=True)  # whatever is still staged was never committed
-        retries = self.state_dir / "retries"
-        if retries.is_dir():
-            for d in retries.iterdir():
-                if d.name not in keep:
-                    shutil.rmtree(d, ignore_errors=True)
+        self.root.remove_all(STAGING)  # whatever is still staged was never committed
+        for name in self.state_store.folders("retries"):
+            if name not in keep:
+                self.state_store.remove_all(f"retries/{name}")
         now = self.clock.now_us()
         marks = self.state.marks() if committed else self.discovery.first_marks(lease.start_us, now)
         self.discovery.restart(marks, self.state.consumed(marks), lease.start_us)
@@ -157,9 +151,8 @@ class Joiner:
             )
         self.batches.last_batch = self.lease.last_batch
         last = max(committed, default=None)
-        retry = self.state_dir / "retries" / batch_tag(*last) if last else None
-        self.batches.retry_dir = retry if retry and retry.is_dir() else None
-        _check_state(self.batches.retry_dir, self.state_dir / "eventstore", self.clock.now_us(), self.s.bucket_s)
+        self.batches.retry_key = f"retries/{batch_tag(*last)}" if last else None
+        _check_state(self.state_store, self.batches.retry_files(), self.clock.now_us(), self.s.bucket_s)
         # Building the shared query index can take minutes (hours of query history): heartbeat meanwhile, or a
         # standby takes the lease for dead after 15 s and fences it.
         with self.state.heartbeating(lease, self.s.heartbeat_s):
@@ -228,7 +221,7 @@ class Joiner:
 
         skew = self.s.max_clock_skew_s
         self.batches.horizon_us, now = registry_horizon_us(self.servers, max_clock_skew_s=skew)
-        pruned = prune(self.state_dir / "eventstore", self.batches.horizon_us, self.s.bucket_s, skew)
+        pruned = prune(self.state_store.child("eventstore"), self.batches.horizon_us, self.s.bucket_s, skew)
         if pruned.buckets:
             log.info("%s: EventStore pruned behind the registry's horizon: %s", self.pipeline, pruned)
         if self.s.window_end_us is None and start_us is None:
@@ -263,7 +256,7 @@ class Joiner:
         self.index_stats = {**built, "seconds": time.monotonic() - t0, "pruned_buckets": pruned.buckets}
         log.info(
             "%s: shared query index %s, %s..%s: %s in %.1fs (pruned %s)",
-            *(self.pipeline, self.batches.shared_index, first, last, built, time.monotonic() - t0, pruned),
+            *(self.pipeline, self.batches.shared_index.url, first, last, built, time.monotonic() - t0, pruned),
         )
 
     # the loop --------------------------------------------------------------------------------------------
@@ -467,19 +460,17 @@ def _when(us: int) -> str:
     return datetime.fromtimestamp(us / US, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _check_state(retry_dir: Path | None, store: Path, now_us: int, bucket_s: int) -> None:
+def _check_state(state: Store, retry_files: list[Entry], now_us: int, bucket_s: int) -> None:
     """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
     (a damaged disk), rather than failing every batch of every lease on it."""
-    if retry_dir is not None:
-        for p in sorted(retry_dir.glob("*.parquet")):
-            check_parquet(p, RECOVER_RETRIES)
+    for e in retry_files:
+        check_parquet(state.get(e.key), state.location(e.key), RECOVER_RETRIES)
     # The EventStore's newest minute, which the next lookups read first (named from the clock, not listed: the
     # store holds every bucket ever written). An older damaged file is named when a lookup reads it.
     newest = now_us // US // bucket_s
     for b in range(newest - max(1, 60 // bucket_s), newest + 1):
-        folder = store / f"bucket={b}"
-        for p in sorted(folder.iterdir()) if folder.is_dir() else []:
-            if p.suffix == ".parquet":
-                check_parquet(p, RECOVER_STORE)
-            elif p.suffix == ".arrow":
-                read_store_file(p)  # raises CorruptStateError naming it
+        for e in state.files(f"eventstore/bucket={b}"):
+            if e.key.endswith(".parquet"):
+                check_parquet(state.get(e.key), state.location(e.key), RECOVER_STORE)
+            elif e.key.endswith(".arrow"):
+                read_store_file(state, e.key)  # raises CorruptStateError naming it

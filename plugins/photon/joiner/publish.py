@@ -5,37 +5,36 @@ start for a batch committed but not yet published, and by the verifier rolling a
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from photon.durable import fsync_dir, make_dirs
 from photon.joiner.common import batch_tag
 from photon.logs.tables import publish_batch
+from photon.storage import Store, as_store
+
+STAGING, STATE = "_staging", "_state"
+INDEX_FILES = (".parquet", ".arrow")
+
+
+def stage_key(batch: int, epoch: int) -> str:
+    """Where batch ``batch`` of lease ``epoch`` stages what it writes, under the pipeline's root."""
+    return f"{STAGING}/{batch_tag(batch, epoch)}"
 
 
 def publish_files(
-    root: Path, pipeline: str, batch: int, epoch: int, committed: Callable[[str], None] | None = None
+    root: Path | Store, pipeline: str, batch: int, epoch: int, committed: Callable[[str], None] | None = None
 ) -> dict[str, str]:
-    """Publish batch ``batch`` of lease ``epoch`` from its stage (``<root>/_staging/<tag>``). Idempotent, and safe
-    beside another process publishing the same batch (a lease start, the verifier rolling a dead pipeline's batch
-    forward): a table already holding the batch commits nothing again, and each index file is renamed whole, once;
-    whoever comes second finds it gone. Returns what each table did (``publish_batch``, which calls ``committed``)."""
-    stage = root / "_staging" / batch_tag(batch, epoch)
-    done = publish_batch(root, pipeline, batch, stage, committed)
-    src, dst = stage / "eventstore", root / "_state" / "eventstore"
-    make_dirs(dst)
-    if src.is_dir():
-        touched: set[Path] = set()
-        for part in sorted(p for p in src.rglob("*") if p.suffix in (".parquet", ".arrow")):
-            target = dst / part.relative_to(src)
-            make_dirs(target.parent)
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(part, target)
-            touched.add(target.parent)
-        for folder in sorted(touched):  # the renames are durable before the batch is marked published
-            fsync_dir(folder)
-    shutil.rmtree(stage, ignore_errors=True)
+    """Publish batch ``batch`` of lease ``epoch`` from its stage (``<root>/_staging/<tag>``; ``root`` a folder or a
+    store). Idempotent, and safe beside another process publishing the same batch (a lease start, the verifier
+    rolling a dead pipeline's batch forward): a table already holding the batch commits nothing again, and each index
+    file is moved whole, once; whoever comes second finds it gone. Returns what each table did (``publish_batch``,
+    which calls ``committed``)."""
+    store = as_store(root)
+    stage = stage_key(batch, epoch)
+    done = publish_batch(store, pipeline, batch, stage, committed)
+    src = f"{stage}/eventstore"
+    for e in list(store.listing(src)):
+        if e.key.endswith(INDEX_FILES):  # durable in place before the batch is marked published (Store.move)
+            store.move(e.key, f"{STATE}/eventstore/{e.key.removeprefix(src + '/')}")
+    store.remove_all(stage)
     return done

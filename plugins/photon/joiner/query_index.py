@@ -10,8 +10,8 @@ joins every click the live pipeline would have, it also looks up the data center
 in the EventStore's own index format (``EventStoreCache`` reads it as it is; its rows name the log files under
 ``<logs>/<dc>/queries``). A sealed partition never changes (EVENTS.md), so it is parsed once, by whichever backfill
 first needs it, in Spark tasks; later backfills find its done-marker and parse nothing. Two backfills indexing the
-same partition at once write the same files under the same names, each whole (``durable.write_durably``): the second
-rename replaces a file with an identical one, and a lookup that sees part of a partition only misses queries it
+same partition at once write the same files under the same names, each whole (a store's put): the second replaces
+a file with an identical one, and a lookup that sees part of a partition only misses queries it
 would not have found at all.
 
 The horizon (EVENTS.md): the registry forgets click ids below its GC threshold, so the lowest threshold over the
@@ -23,13 +23,10 @@ clock skew (``prune``); a click whose query is older than the horizon is unjoina
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 
@@ -48,8 +45,9 @@ REASON_QUERY_GC = (
 BUILT = pa.schema([("part", pa.string()), ("files", pa.int64()), ("queries", pa.int64())])
 
 
-def index_root(out: Path, dc: str) -> Path:
-    return out / INDEX_DIR / dc
+def index_root(out: Path | Store, dc: str) -> Store:
+    """The data center's shared query index in the output ``out`` (a folder or a store)."""
+    return as_store(out).child(f"{INDEX_DIR}/{dc}")
 
 
 def registry_horizon_us(
@@ -97,21 +95,17 @@ class Pruned:
     done_markers: int = 0
 
 
-def prune(store: Path, horizon_us: int, bucket_s: int, max_clock_skew_s: float = MAX_CLOCK_SKEW_S) -> Pruned:
+def prune(where: Path | Store, horizon_us: int, bucket_s: int, max_clock_skew_s: float = MAX_CLOCK_SKEW_S) -> Pruned:
     """Remove the ``bucket=<n>`` folders of an EventStore (a pipeline's ``_state/eventstore`` or a shared index)
     whose every query is stamped before ``keep_from_us(horizon_us)``, and a shared index's done-markers of partitions
     that can hold no query at or after it (a file arrives at most the skew before its first event). Safe beside
     lookups: a worker's cache drops the files it finds gone (``EventStoreCache._bucket``); an open memory map stays
     readable until it is let go."""
     out = Pruned()
+    store = as_store(where)
     keep_us = keep_from_us(horizon_us, max_clock_skew_s)
     first_kept = keep_us // (bucket_s * US)  # the bucket holding keep_us is kept whole
-    try:
-        entries = list(os.scandir(store))
-    except FileNotFoundError:
-        return out
-    for entry in entries:
-        name = entry.name
+    for name in store.folders():
         if not name.startswith("bucket="):
             continue
         try:
@@ -120,18 +114,17 @@ def prune(store: Path, horizon_us: int, bucket_s: int, max_clock_skew_s: float =
             continue
         if b >= first_kept:
             continue
-        for f in os.scandir(entry.path):
+        for e in store.listing(name):
             out.files += 1
-            out.bytes += f.stat().st_size if f.is_file() else 0
-        shutil.rmtree(entry.path, ignore_errors=True)
+            out.bytes += e.size
+        store.remove_all(name)
         out.buckets += 1
-    done = store / DONE_DIR
-    if done.is_dir():
-        last_gone = partition_of(keep_us - int(max_clock_skew_s * US))  # partitions before it end too early
-        for marker in os.listdir(done):
-            if len(marker) == 12 and marker.isdigit() and f"{marker[:8]}/{marker[8:]}" < last_gone:
-                (done / marker).unlink(missing_ok=True)
-                out.done_markers += 1
+    last_gone = partition_of(keep_us - int(max_clock_skew_s * US))  # partitions before it end too early
+    for e in store.files(DONE_DIR):
+        marker = e.key.rpartition("/")[2]
+        if len(marker) == 12 and marker.isdigit() and f"{marker[:8]}/{marker[8:]}" < last_gone:
+            store.delete(e.key)
+            out.done_markers += 1
     return out
 
 
@@ -153,10 +146,10 @@ def marker_name(part: str) -> str:
     return part.replace("/", "")
 
 
-def indexed(root: Path) -> set[str]:
+def indexed(root: Path | Store) -> set[str]:
     """The partitions whose done-marker is there."""
-    done = root / DONE_DIR
-    return {f"{m[:8]}/{m[8:]}" for m in os.listdir(done) if len(m) == 12} if done.is_dir() else set()
+    markers = [e.key.rpartition("/")[2] for e in as_store(root).files(DONE_DIR)]
+    return {f"{m[:8]}/{m[8:]}" for m in markers if len(m) == 12}
 
 
 def _index_task(
@@ -167,7 +160,6 @@ def _index_task(
     bucket, then write its done-marker."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from photon.durable import write_durably
         from photon.joiner.eventstore import index_of, write_index
         from photon.logs.parse import parse_file_located
 
@@ -200,22 +192,18 @@ def _index_task(
                 if tables:
                     table = pa.concat_tables(tables)
                     rows = table.num_rows
-                    write_index(table, Path(root), marker_name(part), bucket_s)
+                    write_index(table, cached_store(root), "", marker_name(part), bucket_s)
                 # Last: a partition with a marker is wholly indexed, and never parsed again.
-                write_durably(Path(root) / DONE_DIR / marker_name(part), partial(_write_count, rows))
+                cached_store(root).put(f"{DONE_DIR}/{marker_name(part)}", f"{rows}\n".encode())
                 yield pa.RecordBatch.from_pydict({"part": [part], "files": [len(files)], "queries": [rows]}, BUILT)
 
     return run
 
 
-def _write_count(rows: int, fh: BinaryIO) -> None:
-    fh.write(f"{rows}\n".encode())
-
-
 def ensure_indexed(
     spark: Any,
     queries: Path | Store,
-    root: Path,
+    root: Path | Store,
     *,
     first: str,
     last: str,
@@ -240,7 +228,7 @@ def ensure_indexed(
         rows = (
             spark.range(0, n, 1, max(1, min(n, parallelism)))
             .mapInArrow(
-                _index_task(as_store(queries).url, str(root), todo, bucket_s, now_us, max_future_s),
+                _index_task(as_store(queries).url, as_store(root).url, todo, bucket_s, now_us, max_future_s),
                 from_arrow_schema(BUILT),
             )
             .collect()

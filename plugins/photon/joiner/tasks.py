@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from photon.durable import make_dirs
 from photon.joiner.adapter import ADAPTED_SCHEMA, load_adapter
 from photon.joiner.common import (
     AS_IT_IS,
@@ -52,10 +51,10 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
-from photon.logs.tables import stage_rows
+from photon.logs.tables import parquet_bytes, stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
-from photon.storage import ChangingError, Entry, Store, cached_store, locate
+from photon.storage import ChangingError, Entry, Store, as_store, cached_store, locate
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +203,8 @@ class _Task:
     # The batch's "now": the registry server's clock at its start, read by the driver. Every decision a later lease
     # or another host relies on (door, first seen, due times, deadlines) takes it, never the executor's own clock.
     now: int
-    stage: str
-    state: str
+    stage: str  # the batch's stage: a key under ``root`` (_staging/<tag>)
+    state: str  # <out>/<pipeline>/_state: a folder or an s3:// URL (the workers' EventStore caches are keyed by it)
     logs: str  # <logs>/<dc>/queries, where the EventStore's index finds the query lines
     servers: tuple[tuple[str, str], ...]
     token: int
@@ -235,14 +234,17 @@ class _Task:
     replication: str = "required"
     code: str = ""
     batch: int = 0  # the batch's number: every output row carries it (photon.logs.tables)
-    # <out>/<pipeline>: the output tables' folder, where the tasks write their data files ("": the stage's
-    # <root>/_staging/<tag>)
+    # <out>/<pipeline>: a folder or an s3:// URL, where the tasks write the tables' data files and the stage
     root: str = ""
     source_root: str = ""  # <logs>/<dc>: a folder or an s3:// URL (credentials from each worker's environment)
 
     @property
-    def tables_root(self) -> Path:
-        return Path(self.root) if self.root else Path(self.stage).parent.parent
+    def root_store(self) -> Store:
+        return cached_store(self.root)  # one client per worker: every batch of the pipeline shares it
+
+    @property
+    def state_store(self) -> Store:
+        return cached_store(self.state)
 
 
 def ends_whole(store: Store, e: Entry) -> bool:
@@ -275,24 +277,24 @@ def read_whole(
     return content, e
 
 
-def _write_read_marker(stage: Path, name: str, skipped: list[list[str]], read: dict[str, list[Any]]) -> None:
+def _write_read_marker(
+    root: Store, stage: str, name: str, skipped: list[list[str]], read: dict[str, list[Any]]
+) -> None:
     """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, tag, inode)
-    as read."""
-    path = stage / READ_MARKERS / f"{name}.json"
-    make_dirs(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"skipped": skipped, "read": read}))
-    os.replace(tmp, path)  # a retried task's marker replaces its failed attempt's whole
+    as read. A retried task's marker replaces its failed attempt's whole."""
+    root.put(f"{stage}/{READ_MARKERS}/{name}.json", json.dumps({"skipped": skipped, "read": read}).encode())
 
 
-def read_markers(stage: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[Any, ...]]]:
+def read_markers(root: Path | Store, stage: str) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[Any, ...]]]:
     """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, tag,
     inode)})."""
+    store = as_store(root)
     skipped: set[tuple[str, str]] = set()
     read: dict[tuple[str, str], tuple[Any, ...]] = {}
-    folder = stage / READ_MARKERS
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        marker = json.loads(path.read_text())
+    for e in store.files(f"{stage}/{READ_MARKERS}"):
+        if not e.key.endswith(".json"):
+            continue
+        marker = json.loads(store.get(e.key))
         skipped.update((k, n) for k, n in marker["skipped"])
         read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
     return skipped, read
@@ -314,7 +316,7 @@ def _source_task(
 
         check_code(t.code, t.adapter)
 
-        stage = Path(t.stage)
+        root, stage = t.root_store, t.stage
         stored: list[pa.Table] = []
         first = None
         skipped: list[list[str]] = []
@@ -322,8 +324,8 @@ def _source_task(
         marker_name = ""
         for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
-            if kind == "retries":
-                yield from pq.read_table(path_s, schema=CANDIDATE).to_batches()
+            if kind == "retries":  # a key in the pipeline's state
+                yield from pq.read_table(pa.BufferReader(t.state_store.get(path_s)), schema=CANDIDATE).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
             as_seen = t.settled.get(f"{kind}/{rel}")
@@ -359,7 +361,7 @@ def _source_task(
                 bad = pa.concat_tables([bad, _quarantine_implausible(rel, content, kind, now, t.max_future_s)])
             if bad.num_rows:
                 quarantine = _quarantine(bad, t.dc, kind, t.now)
-                stage_rows(t.tables_root, QUARANTINE, stage, f"{t.tag}-{kind[0]}{i:06d}", quarantine, t.batch)
+                stage_rows(root, QUARANTINE, stage, f"{t.tag}-{kind[0]}{i:06d}", quarantine, t.batch)
             n = good.num_rows
             if kind == "queries":
                 stored.append(index_of(good, rel, offsets, lengths))
@@ -384,9 +386,9 @@ def _source_task(
                     CANDIDATE,
                 ).to_batches()
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
-            write_index(pa.concat_tables(stored), stage / "eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+            write_index(pa.concat_tables(stored), root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
         if read or skipped:
-            _write_read_marker(stage, marker_name, skipped, read)
+            _write_read_marker(root, stage, marker_name, skipped, read)
 
     return run
 
@@ -420,12 +422,12 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
 def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int], np.ndarray]:
     """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition.
     Returns the partition's counts and the joined clicks' latencies."""
-    from photon.joiner.eventstore import atomic_write, cache_for
+    from photon.joiner.eventstore import cache_for
     from photon.registry.client import Outcome
     from photon.registry.owners import Token
 
     counts = dict.fromkeys(JOIN_COUNTS, 0)
-    stage, state = Path(t.stage), Path(t.state)
+    root, stage = t.root_store, t.stage
     name = f"{t.tag}-p{part:04d}"
     # One row per click id: a due copy first, then the earliest seen; a copy the verifier re-dispatched lends the
     # kept row its recovery time (the click's deadline runs from there, whichever copy is kept).
@@ -486,10 +488,11 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
             live = live.filter(pa.array(~forgotten))
         # 3. EventStore: the worker's cache of stored buckets, plus this batch's staged queries; for a backfill, then
         # the data center's shared query index.
-        cache = cache_for(state / "eventstore", t.logs, t.cache_buckets, t.cache_max_rows)
-        queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, stage / "eventstore")
+        cache = cache_for(f"{t.state.rstrip('/')}/eventstore", t.logs, t.cache_buckets, t.cache_max_rows)
+        staged = (root, f"{stage}/eventstore")
+        queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, staged)
         if t.shared_index is not None and not hit.all():
-            shared = cache_for(Path(t.shared_index), t.logs, t.cache_buckets, t.cache_max_rows)
+            shared = cache_for(t.shared_index, t.logs, t.cache_buckets, t.cache_max_rows)
             ids = live.column("query_id").combine_chunks()
             queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
         counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
@@ -541,7 +544,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
                 out = out.drop_columns(["reason"])
                 out = out.append_column("joined_at_us", pa.array(np.full(n, joined_at, np.int64)))
                 out = out.append_column("pipeline", pa.array([t.dc] * n, pa.string()))
-                stage_rows(t.tables_root, JOINED, stage, name, out, t.batch)
+                stage_rows(root, JOINED, stage, name, out, t.batch)
                 latencies = (joined_at - out.column("click_ts_us").to_numpy()) / US
             counts["joined"] = n
         # 3b. no query yet: back to wait with exponential backoff, or give up past the maximum join delay, which
@@ -569,11 +572,11 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     if unjoinable:
         table = pa.concat_tables(unjoinable)
         counts["unjoinable"] = table.num_rows
-        stage_rows(t.tables_root, UNJOINABLE, stage, name, table, t.batch)
+        stage_rows(root, UNJOINABLE, stage, name, table, t.batch)
     retries = pa.concat_tables(retry)
     counts["retried"] = retries.num_rows
     if retries.num_rows:
-        atomic_write(retries.cast(CANDIDATE), state / "retries" / t.tag / f"{name}.parquet")
+        t.state_store.put(f"retries/{t.tag}/{name}.parquet", parquet_bytes(retries.cast(CANDIDATE)))
     return counts, latencies
 
 

@@ -22,15 +22,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from photon.durable import write_durably
 from photon.logs.schemas import (
     JOINED,
     JOINED_SCHEMA,
@@ -39,6 +37,7 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
+from photon.storage import LocalStore, Store, as_store
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -76,13 +75,14 @@ class OutputTableError(ValueError):
 # -- Writing: the tasks, before the registry commit ------------------------------------------------------------
 
 
-def stage_rows(root: Path, kind: str, stage: Path, name: str, rows: pa.Table, batch: int) -> int:
-    """Write ``rows`` (``ROW_SCHEMAS[kind]``) of batch ``batch`` as data files of the pipeline's ``kind`` table under
-    ``root`` (``<out>/<pipeline>``), one file per hour, named ``<name>-<hour>.parquet``; record each file's add
-    action under ``<stage>/_adds/``. Invisible to readers until ``publish_batch``. A retried task writes the same
-    names again, whole (``write_durably``). Returns the rows written."""
+def stage_rows(root: Path | Store, kind: str, stage: str, name: str, rows: pa.Table, batch: int) -> int:
+    """Write ``rows`` (``ROW_SCHEMAS[kind]``) of batch ``batch`` as data files of the pipeline's ``kind`` table in
+    ``root`` (``<out>/<pipeline>``, a folder or a store), one file per hour, named ``<name>-<hour>.parquet``; record
+    each file's add action under ``<stage>/_adds/`` (``stage``: a key under ``root``). Invisible to readers until
+    ``publish_batch``. A retried task writes the same names again, whole. Returns the rows written."""
     if rows.num_rows == 0:
         return 0
+    store = as_store(root)
     rows = rows.select(ROW_SCHEMAS[kind].names).cast(ROW_SCHEMAS[kind])
     rows = rows.append_column(BATCH, pa.array([batch] * rows.num_rows, pa.int64()))
     secs = pc.divide(rows.column(TIME_COLUMN[kind]), pa.scalar(US, pa.int64()))
@@ -91,16 +91,18 @@ def stage_rows(root: Path, kind: str, stage: Path, name: str, rows: pa.Table, ba
     for hour in sorted(pc.unique(hours).to_pylist()):
         part = rows.filter(pc.equal(hours, hour))
         rel = f"{PARTITION}={hour}/{name}-{hour}.parquet"
-        path = root / kind / rel
-        write_durably(path, partial(pq.write_table, part))
-        adds.append({"path": rel, "size": path.stat().st_size, "hour": hour, "stats": _stats(part)})
-    record = json.dumps({"kind": kind, "files": adds}).encode()
-    write_durably(stage / ADDS / f"{kind}-{name}.json", partial(_write_bytes, record))
+        data = parquet_bytes(part)
+        store.put(f"{kind}/{rel}", data)
+        adds.append({"path": rel, "size": len(data), "hour": hour, "stats": _stats(part)})
+    store.put(f"{stage}/{ADDS}/{kind}-{name}.json", json.dumps({"kind": kind, "files": adds}).encode())
     return rows.num_rows
 
 
-def _write_bytes(data: bytes, fh: BinaryIO) -> None:
-    fh.write(data)
+def parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` as one Parquet file's bytes (written whole by a store's put)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
 
 
 def _stats(rows: pa.Table) -> str:
@@ -119,47 +121,72 @@ def _stats(rows: pa.Table) -> str:
     return json.dumps({"numRecords": rows.num_rows, "minValues": lo, "maxValues": hi, "nullCount": nulls})
 
 
-def staged_adds(stage: Path) -> dict[str, list[dict[str, Any]]]:
-    """Per kind, the add actions a batch's tasks recorded under its stage folder (empty if none: nothing staged, or
-    the stage already removed after its publish)."""
+def staged_adds(root: Path | Store, stage: str) -> dict[str, list[dict[str, Any]]]:
+    """Per kind, the add actions a batch's tasks recorded under its stage (empty if none: nothing staged, or the
+    stage already removed after its publish)."""
+    store = as_store(root)
     found: dict[str, list[dict[str, Any]]] = {}
-    folder = stage / ADDS
-    if folder.is_dir():
-        for path in sorted(folder.glob("*.json")):
-            entry = json.loads(path.read_text())
-            found.setdefault(entry["kind"], []).extend(entry["files"])
+    for e in store.files(f"{stage}/{ADDS}"):
+        if not e.key.endswith(".json"):
+            continue
+        try:
+            entry = json.loads(store.get(e.key))
+        except FileNotFoundError:
+            continue  # removed since the listing: its batch was published by another process
+        found.setdefault(entry["kind"], []).extend(entry["files"])
     return found
 
 
-def staged_rows(stage: Path, kind: str) -> int:
+def staged_rows(root: Path | Store, stage: str, kind: str) -> int:
     """Rows of ``kind`` a batch's tasks staged (from their records: no data file is read)."""
-    return sum(json.loads(a["stats"])["numRecords"] for a in staged_adds(stage).get(kind, []))
+    return sum(json.loads(a["stats"])["numRecords"] for a in staged_adds(root, stage).get(kind, []))
 
 
 # -- Publishing: the driver, after the fenced registry commit ---------------------------------------------------
 
 
-def open_table(root: Path, kind: str) -> DeltaTable:
+def _delta(store: Store, key: str) -> DeltaTable:
+    """The Delta table at ``key`` of ``store`` (TableNotFoundError if there is none)."""
+    from deltalake import DeltaTable
+
+    uri, options = store.delta_location(key)
+    return DeltaTable(uri, storage_options=options or None)
+
+
+def is_table(store: Store, key: str) -> bool:
+    from deltalake import DeltaTable
+
+    uri, options = store.delta_location(key)
+    return bool(DeltaTable.is_deltatable(uri, storage_options=options or None))
+
+
+def open_table(root: Path | Store, kind: str) -> DeltaTable:
     """The pipeline's ``kind`` table, created if there is none yet; refused (``OutputTableError``) if its folder
     holds something else."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
-    where = root / kind
+    store = as_store(root)
+    uri, options = store.delta_location(kind)
     try:
-        table = DeltaTable(str(where))
+        table = _delta(store, kind)
     except TableNotFoundError:
-        _refuse_foreign(where)
+        _refuse_foreign(store, kind)
         try:
             return DeltaTable.create(
-                str(where), table_schema(kind), partition_by=[PARTITION], mode="ignore", name=f"photon {kind}"
+                uri,
+                table_schema(kind),
+                partition_by=[PARTITION],
+                mode="ignore",
+                name=f"photon {kind}",
+                storage_options=options or None,
             )
         except Exception as exc:  # a racing creator: the table is there now, or the error is real
             try:
-                table = DeltaTable(str(where))
+                table = _delta(store, kind)
             except TableNotFoundError:
                 raise exc from None
-    check_schema(table, kind, where)
+    check_schema(table, kind, uri)
     return table
 
 
@@ -169,32 +196,31 @@ def open_table(root: Path, kind: str) -> DeltaTable:
 _PUBLISHING: dict[tuple[str, int], DeltaTable] = {}
 
 
-def _publisher_table(root: Path, kind: str) -> DeltaTable:
-    key = (str(root / kind), os.getpid())  # never a table another process opened (deltalake is not fork-safe)
+def _publisher_table(root: Store, kind: str) -> DeltaTable:
+    key = (f"{root.url}/{kind}", os.getpid())  # never a table another process opened (deltalake is not fork-safe)
     table = _PUBLISHING.get(key)
     if table is None:
         table = _PUBLISHING[key] = open_table(root, kind)
     return table
 
 
-def _refuse_foreign(where: Path) -> None:
-    """A folder that is not a Delta table may hold only a batch's data files not yet committed (``hour=*/`` with
-    Parquet inside, and temporary files): never an old layout's Parquet files beside."""
-    if not where.exists():
-        return
-    if not where.is_dir():
-        raise OutputTableError(f"{where} is a file, not an output table: choose another --out")
-    strays = [p.name for p in where.iterdir() if not (p.is_dir() and p.name.startswith(f"{PARTITION}="))]
+def _refuse_foreign(store: Store, kind: str) -> None:
+    """A table's folder that is not a Delta table may hold only a batch's data files not yet committed (``hour=*/``
+    with Parquet inside): never an old layout's Parquet files beside."""
+    if isinstance(store, LocalStore) and store.path(kind).exists() and not store.path(kind).is_dir():
+        raise OutputTableError(f"{store.path(kind)} is a file, not an output table: choose another --out")
+    strays = [e.key.rpartition("/")[2] for e in store.files(kind)]
+    strays += [f for f in store.folders(kind) if not f.startswith(f"{PARTITION}=")]
     strays = [n for n in strays if not n.startswith(".")]
     if strays:
         raise OutputTableError(
-            f"{where} is not a Delta table but holds {', '.join(sorted(strays)[:3])}"
+            f"{store.location(kind)} is not a Delta table but holds {', '.join(sorted(strays)[:3])}"
             f"{' ...' if len(strays) > 3 else ''} (an output folder of an older version of this project?): "
             "refused, nothing written; use an empty --out"
         )
 
 
-def check_schema(table: DeltaTable, kind: str, where: Path) -> None:
+def check_schema(table: DeltaTable, kind: str, where: Path | str) -> None:
     """Refuse a Delta table that is not this project's ``kind`` table (its columns or partitioning differ)."""
     have = [f.name for f in table.schema().fields]
     if have != table_schema(kind).names or table.metadata().partition_columns != [PARTITION]:
@@ -204,38 +230,37 @@ def check_schema(table: DeltaTable, kind: str, where: Path) -> None:
         )
 
 
-def ensure_tables(root: Path) -> None:
-    """Create the pipeline's three tables under ``root`` if missing; refuse (``OutputTableError``, one line) an
+def ensure_tables(root: Path | Store) -> None:
+    """Create the pipeline's three tables in ``root`` if missing; refuse (``OutputTableError``, one line) an
     ``--out`` whose pipeline folder holds anything else there: an old folder layout, another table."""
     for kind in (JOINED, UNJOINABLE, QUARANTINE):
         open_table(root, kind)
 
 
-def published_batch(root: Path, kind: str) -> int | None:
+def published_batch(root: Path | Store, kind: str) -> int | None:
     """The pipeline's last batch committed to its ``kind`` table (its Delta txn version), None if none."""
-    from deltalake import DeltaTable
-
-    where = root / kind
-    if not DeltaTable.is_deltatable(str(where)):
+    store = as_store(root)
+    if not is_table(store, kind):
         return None
-    return DeltaTable(str(where)).transaction_version(app_id(root.name))
+    return _delta(store, kind).transaction_version(app_id(store.url.rstrip("/").rpartition("/")[2]))
 
 
 def publish_batch(
-    root: Path, pipeline: str, batch: int, stage: Path, committed: Callable[[str], None] | None = None
+    root: Path | Store, pipeline: str, batch: int, stage: str, committed: Callable[[str], None] | None = None
 ) -> dict[str, str]:
-    """Commit batch ``batch``'s staged data files (their adds under ``stage``) to the pipeline's tables, one Delta
-    commit per table carrying ``txn(photon/<pipeline>, batch)``. Idempotent and safe beside other publishers of the
-    same batch. Per kind: "committed", "already" (the table holds the batch or a later one) or "none" (nothing
-    staged). ``committed(kind)`` is called after each commit (the tests' crash points)."""
+    """Commit batch ``batch``'s staged data files (their adds under ``stage``, a key of ``root``) to the pipeline's
+    tables, one Delta commit per table carrying ``txn(photon/<pipeline>, batch)``. Idempotent and safe beside other
+    publishers of the same batch. Per kind: "committed", "already" (the table holds the batch or a later one) or
+    "none" (nothing staged). ``committed(kind)`` is called after each commit (the tests' crash points)."""
     from deltalake import CommitProperties, Transaction
     from deltalake.exceptions import CommitFailedError
     from deltalake.transaction import AddAction, RemoveAction
 
-    adds = staged_adds(stage)
+    store = as_store(root)
+    adds = staged_adds(store, stage)
     done: dict[str, str] = {}
     for kind in (JOINED, UNJOINABLE, QUARANTINE):
-        table = _publisher_table(root, kind)
+        table = _publisher_table(store, kind)
         files = adds.get(kind, [])
         if not files:
             done[kind] = "none"
@@ -267,16 +292,14 @@ def publish_batch(
     return done
 
 
-def append_rows(root: Path, kind: str, rows: pa.Table, batch: int) -> None:
+def append_rows(root: Path | Store, kind: str, rows: pa.Table, batch: int) -> None:
     """Commit ``rows`` to the pipeline's ``kind`` table as batch ``batch`` in one call, the way a batch reaches it
     (data files, then one commit under the batch's txn): for benchmarks and tools that make output without Spark."""
-    stage = root / "_staging" / f"append-{new_name(kind)}"
-    stage_rows(root, kind, stage, f"b{batch:010d}-{kind}", rows, batch)
-    publish_batch(root, root.name, batch, stage)
-    for path in sorted((stage / ADDS).glob("*.json")):
-        path.unlink()
-    for folder in (stage / ADDS, stage):
-        folder.rmdir()
+    store = as_store(root)
+    stage = f"_staging/append-{new_name(kind)}"
+    stage_rows(store, kind, stage, f"b{batch:010d}-{kind}", rows, batch)
+    publish_batch(store, store.url.rstrip("/").rpartition("/")[2], batch, stage)
+    store.remove_all(stage)
 
 
 # -- Reading: every reader of the output ------------------------------------------------------------------------
@@ -284,56 +307,69 @@ def append_rows(root: Path, kind: str, rows: pa.Table, batch: int) -> None:
 
 @dataclass(frozen=True)
 class OutputTable:
-    """One pipeline's table of one kind, at one snapshot."""
+    """One pipeline's table of one kind: ``key`` (``<pipeline>/<kind>``) in the output's ``store``."""
 
     pipeline: str
     kind: str
-    path: Path
+    store: Store
+    key: str
+
+    @classmethod
+    def at(cls, root: Path | Store, kind: str) -> OutputTable:
+        """The ``kind`` table of the pipeline folder ``root`` (``<out>/<pipeline>``)."""
+        store = as_store(root)
+        name = store.url.rstrip("/").rpartition("/")[2]
+        return cls(name, kind, store, kind)
+
+    @property
+    def uri(self) -> str:
+        """Where the table is (a path or an s3:// URL), for messages."""
+        return self.store.location(self.key)
+
+    @property
+    def path(self) -> Path:
+        """A folder's table: its folder (the tools that rewrite files in place work on folders only)."""
+        if not isinstance(self.store, LocalStore):
+            raise OutputTableError(f"{self.uri}: this command works on an output folder, not an object store (yet)")
+        return self.store.path(self.key)
 
     def table(self) -> DeltaTable:
-        from deltalake import DeltaTable
-
-        return DeltaTable(str(self.path))
+        return _delta(self.store, self.key)
 
     def dataset(self) -> ds.Dataset:
         """The snapshot as an Arrow dataset: only committed files, partitions and file statistics pruned by filters."""
         return self.table().to_pyarrow_dataset()
 
 
-def pipelines(out: Path) -> list[str]:
-    """The pipelines with output under ``out``: folders not starting with ``_`` or ``.`` that hold a table."""
-    from deltalake import DeltaTable
-
-    if not out.is_dir():
+def pipelines(out: Path | Store) -> list[str]:
+    """The pipelines with output in ``out``: folders not starting with ``_`` or ``.`` that hold a table."""
+    store = as_store(out)
+    if isinstance(store, LocalStore) and not store.root.is_dir():
         return []
     return sorted(
-        p.name
-        for p in out.iterdir()
-        if p.is_dir()
-        and p.name[0] not in "_."
-        and any(DeltaTable.is_deltatable(str(p / kind)) for kind in (JOINED, UNJOINABLE, QUARANTINE))
+        name
+        for name in store.folders()
+        if name[0] not in "_." and any(is_table(store, f"{name}/{kind}") for kind in (JOINED, UNJOINABLE, QUARANTINE))
     )
 
 
-def tables(out: Path, kind: str, only: Iterable[str] | None = None) -> Iterator[OutputTable]:
-    """Every pipeline's ``kind`` table under ``out`` (or those of ``only``) that exists."""
-    from deltalake import DeltaTable
-
-    for name in only if only is not None else pipelines(out):
-        path = out / name / kind
-        if DeltaTable.is_deltatable(str(path)):
-            yield OutputTable(name, kind, path)
+def tables(out: Path | Store, kind: str, only: Iterable[str] | None = None) -> Iterator[OutputTable]:
+    """Every pipeline's ``kind`` table in ``out`` (or those of ``only``) that exists."""
+    store = as_store(out)
+    for name in only if only is not None else pipelines(store):
+        if is_table(store, f"{name}/{kind}"):
+            yield OutputTable(name, kind, store, f"{name}/{kind}")
 
 
 def read(
-    out: Path,
+    out: Path | Store,
     kind: str,
     columns: list[str] | None = None,
     where: ds.Expression | None = None,
     only: Iterable[str] | None = None,
     with_pipeline_folder: bool = False,
 ) -> pa.Table:
-    """``columns`` of every pipeline's committed ``kind`` rows under ``out`` that match ``where``, one table (with a
+    """``columns`` of every pipeline's committed ``kind`` rows in ``out`` that match ``where``, one table (with a
     ``folder`` column naming the pipeline's folder if asked)."""
     cols = columns or table_schema(kind).names
     parts = []

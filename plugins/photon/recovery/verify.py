@@ -56,8 +56,8 @@ import pyarrow.dataset as ds
 from psycopg2 import sql
 
 from photon.durable import fsync_dir, make_dirs
-from photon.joiner.common import RECOVERED_PREFIX, batch_tag
-from photon.joiner.publish import publish_files
+from photon.joiner.common import RECOVERED_PREFIX
+from photon.joiner.publish import publish_files, stage_key
 from photon.logs import tables
 from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import data_center_of, list_closed, partition_of
@@ -202,7 +202,7 @@ def _batch_files(folder: Path, pipeline: str, batch: int, b: _Batch, *, changed:
     if tables.published_batch(folder, JOINED) is not None:
         where = ds.field(tables.BATCH) == batch
         try:
-            rows = tables.OutputTable(pipeline, JOINED, table).dataset().to_table(columns=["click_id"], filter=where)
+            rows = tables.OutputTable.at(folder, JOINED).dataset().to_table(columns=["click_id"], filter=where)
         except (OSError, pa.ArrowException) as exc:  # a committed data file gone or damaged
             raise EvidenceMissingError(
                 f"batch {batch} of pipeline {pipeline!r}: the table {table} cannot be read ({exc}); "
@@ -384,13 +384,12 @@ def _pass_lock(dsn: str) -> Iterator[Any]:
 def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
     """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already in the table
     (a joiner that died while publishing), must be the rows it committed."""
-    stage = folder / "_staging" / batch_tag(batch, b.epoch)
     have = tables.published_batch(folder, JOINED)
     if have is not None and have >= batch:
         where = ds.field(tables.BATCH) == batch
-        found = tables.OutputTable(name, JOINED, folder / JOINED).dataset().count_rows(filter=where)
+        found = tables.OutputTable.at(folder, JOINED).dataset().count_rows(filter=where)
     else:
-        found = tables.staged_rows(stage, JOINED)
+        found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED)
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "

@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from photon.joiner.publish import STAGING
 from photon.logs import tables
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.storage import LocalStore
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -295,11 +297,9 @@ def staged_paths(root: Path, kind: str) -> set[str]:
     """Paths (relative to the ``kind`` table) of the data files every stage folder of the pipeline at ``root``
     names: batches not published yet, committed to the registry or not."""
     found: set[str] = set()
-    staging = root / "_staging"
-    if staging.is_dir():
-        for stage in staging.iterdir():
-            with contextlib.suppress(FileNotFoundError):  # published and removed meanwhile: in the snapshot then
-                found.update(a["path"] for a in tables.staged_adds(stage).get(kind, []))
+    for stage in LocalStore(root).folders(STAGING):
+        # a stage published and removed meanwhile lists nothing: its files are in the snapshot then
+        found.update(a["path"] for a in tables.staged_adds(root, f"{STAGING}/{stage}").get(kind, []))
     return found
 
 
