@@ -10,7 +10,8 @@ side in one run, on a local S3 server (SeaweedFS, as `photon storage up` runs it
 3. Listing: one trigger's ``Discovery.new_files`` from a caught-up pipeline's mark, with 1,000 and then
    ``--objects`` objects in older partitions of the bucket (goal: flat), median of 20.
 
-The output stays in a folder: only the logs move. Last line: the figures as one JSON object.
+The bucket's side keeps its output tables and its state (stages, EventStore, retry sets) in the bucket too: nothing
+of it in a folder. Last line: the figures as one JSON object.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from photon.logs.layout import partition_of
 from photon.pg import EmbeddedPostgres, drop_database
 from photon.registry.clock import ServerClock
 from photon.spark_session import get_spark
-from photon.storage import S3Store
+from photon.storage import S3Store, open_store
 from photon.tools import storage_server
 from photon.tools.generator import GeneratorSettings, generate
 
@@ -63,11 +64,13 @@ def throughput(spark: Any, pg: EmbeddedPostgres, root: Path, bucket: str, name: 
     joined: dict[str, set[int]] = {"folder": set(), "bucket": set()}
     for r in range(repeat):
         for where in ("folder", "bucket") if r % 2 == 0 else ("bucket", "folder"):
-            out, db = root / f"{name}-out-{where}-{r}", f"bench_os_{name}_{where}_{r}"
+            db = f"bench_os_{name}_{where}_{r}"
+            # Each side's output and state where its logs are: a folder, or the bucket
+            out = root / f"{name}-out-{r}" if where == "folder" else f"s3://{bucket}/{name}-out-{r}"
             x = run_joiner(spark, _registry(pg, db), folder if where == "folder" else url, out)
             runs[where].append(x["seconds"])
             joined[where].add(x["joined"])
-            shutil.rmtree(out, ignore_errors=True)
+            open_store(out).remove_all("") if where == "bucket" else shutil.rmtree(out, ignore_errors=True)
             drop_database(pg.admin_dsn, db)  # and the Python workers' connections to it (200 at most)
     ratios = [f / b for f, b in zip(runs["folder"], runs["bucket"], strict=True)]
     result = {
@@ -142,7 +145,8 @@ def main() -> None:
         lives = {}
         for where in ("folder", "bucket"):
             url = None if where == "folder" else f"s3://{bucket}/live"
-            run = live(pg, spark, tmp / f"live-{where}", args.live_rate, args.live_seconds, "joiner", logs_url=url)
+            out = None if where == "folder" else f"s3://{bucket}/live-out"
+            run = live(pg, spark, tmp / f"live-{where}", args.live_rate, args.live_seconds, "joiner", url, out)
             lives[where] = run
             print(f"live, {args.live_rate:,.0f} events/s per replica, logs in a {where}: audit "
                   f"{'PASS' if run['ok'] else 'FAIL'}; click latency p50 {run['p50']}s p90 {run['p90']}s; "

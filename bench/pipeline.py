@@ -64,6 +64,7 @@ from photon.logs.parse import CLICK_FIELDS, QUERY_FIELDS
 from photon.pg import EmbeddedPostgres, create_database
 from photon.registry.admin import init_registry
 from photon.spark_session import get_spark
+from photon.storage import open_store
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
 
@@ -237,15 +238,18 @@ def live(
     seconds: float,
     profile: str,
     logs_url: str | None = None,
+    out_url: str | None = None,
 ) -> dict[str, Any]:
     """Both pipelines joining live logs while the generator writes them (into ``root/logs``, or into the bucket
-    ``logs_url``); latency from the audit, batch durations from the joiners. Profile ``joiner`` ships files fast and
-    keeps clocks in step, so latency is the joiner's own; ``realistic`` keeps the generator's defaults (query files
-    shipped with a 2 s median lag, 1.5x slower to dc-b, server clocks up to 5 s apart, which the latency measured
-    from the click's own timestamp includes)."""
+    ``logs_url``), their output and state into ``root/out`` (or ``out_url``); latency from the audit, batch
+    durations from the joiners. Profile ``joiner`` ships files fast and keeps clocks in step, so latency is the
+    joiner's own; ``realistic`` keeps the generator's defaults (query files shipped with a 2 s median lag, 1.5x
+    slower to dc-b, server clocks up to 5 s apart, which the latency measured from the click's own timestamp
+    includes)."""
     servers = {"main": create_database(pg.admin_dsn, f"bench_{profile}_{int(rate)}_{'s3' if logs_url else 'fs'}")}
     init_registry(servers)
-    out, manifest = root / "out", root / "logs" / "_manifest"
+    out: Path | str = out_url or root / "out"
+    manifest = root / "logs" / "_manifest"
     logs: Path | str = logs_url or root / "logs"
     kw: dict[str, Any] = {
         "events_per_s": rate,
@@ -281,8 +285,10 @@ def live(
             t.start()
         for t in threads:
             t.join()
-    report = audit(out, manifest=manifest)
+    report = audit(open_store(out), manifest=manifest)
     shutil.rmtree(root, ignore_errors=True)
+    if out_url:
+        open_store(out_url).remove_all("")
     q = np.quantile(durations, [0.5, 0.9]) if durations else [0.0, 0.0]
     return {
         "profile": profile,

@@ -165,7 +165,7 @@ def _registry(pg: EmbeddedPostgres, name: str) -> dict[str, str]:
     return servers
 
 
-def run_joiner(spark: Any, servers: dict[str, str], logs: Path | str, out: Path) -> dict[str, Any]:
+def run_joiner(spark: Any, servers: dict[str, str], logs: Path | str, out: Path | str) -> dict[str, Any]:
     joiner = Joiner(DC, logs, out, servers, spark, JoinSettings(trigger_interval_s=0.0))
     clock = DriverClock()
     clock.attach(joiner)

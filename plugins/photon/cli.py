@@ -450,7 +450,12 @@ def generate_cmd(
 
 @app.command("audit")
 def audit_cmd(
-    out: Annotated[Path, typer.Option(help="Output folder holding one folder per pipeline.")],
+    out: Annotated[
+        str,
+        typer.Option(
+            help="Output holding one folder per pipeline: a folder, or s3://bucket/prefix (the AWS_* variables)."
+        ),
+    ],
     logs: Annotated[Path | None, typer.Option(help="Input logs; their _manifest/ is used when present.")] = None,
     manifest: Annotated[Path | None, typer.Option(help="Manifest folder (default: <logs>/_manifest).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -465,9 +470,10 @@ def audit_cmd(
     """Check every pipeline's output: duplicates, lost and unexpected clicks, quarantine, shares, latency.
     Exit status 1 on any duplicate, loss, unexpected row or quarantine mismatch."""
     from photon.logs.schemas import MANIFEST_DIR
+    from photon.storage import open_store
     from photon.tools.audit import audit, print_audit
 
-    _folder(out, "--out")
+    target = _store_or_folder(out, "--out", must_exist=True)
     if logs is not None:
         _folder(logs, "--logs")
     if manifest is None and logs is not None and (logs / MANIFEST_DIR / "clicks.parquet").exists():
@@ -480,7 +486,7 @@ def audit_cmd(
 
         spark = get_spark("photon-audit")
     ran = None if dcs is None else [d.strip() for d in dcs.split(",") if d.strip()]
-    report = audit(out, manifest=manifest, logs=logs, spark=spark, ran=ran)
+    report = audit(open_store(target), manifest=manifest, logs=logs, spark=spark, ran=ran)
     if as_json:
         typer.echo(report.to_json())
     else:
@@ -503,7 +509,12 @@ def join_cmd(
             help="Input logs: a folder, or s3://bucket/prefix (credentials and endpoint from the AWS_* variables)."
         ),
     ],
-    out: Annotated[Path, typer.Option(help="Output folder.")],
+    out: Annotated[
+        str,
+        typer.Option(
+            help="Output: a folder, or s3://bucket/prefix (credentials and endpoint from the AWS_* variables)."
+        ),
+    ],
     run_for: Annotated[float | None, typer.Option(help="Run micro-batches for this many seconds (a lease).")] = None,
     until_caught_up: Annotated[
         bool, typer.Option("--until-caught-up", help="Stop when no new file and no due retry is left.")
@@ -577,7 +588,8 @@ def join_cmd(
     from photon.registry.clock import ClockSkewError, ServerClock
     from photon.spark_session import get_spark
 
-    source = _logs_source(logs)
+    source = _store_or_folder(logs, "--logs", must_exist=True)
+    target = _store_or_folder(out, "--out", must_exist=False)
     if run_for is None and not until_caught_up:
         raise ValueError("give --run-for SECONDS (a lease) or --until-caught-up")
     import os
@@ -632,7 +644,7 @@ def join_cmd(
         try:
             with announcing as announcement:
                 spark = get_spark(f"photon-join-{pipeline or dc}", master=master, shuffle_partitions=4, remote=remote)
-                joiner = Joiner(dc, source, out, servers, spark, settings, pipeline=pipeline, clock=clock)
+                joiner = Joiner(dc, source, target, servers, spark, settings, pipeline=pipeline, clock=clock)
                 # From here (PySpark's session sets a SIGINT handler of its own): a signal stops the lease, not Python.
                 stopper = _Stopper(joiner)
                 if announcement is not None:
@@ -946,8 +958,10 @@ def spark_connect_cmd(
 
 @app.command("verify")
 def verify_cmd(
-    logs: Annotated[Path, typer.Option(help="Input logs folder (lost clicks are re-dispatched there).")],
-    out: Annotated[Path, typer.Option(help="Output folder of the pipelines.")],
+    logs: Annotated[
+        str, typer.Option(help="Input logs, a folder or s3://bucket/prefix (lost clicks are re-dispatched there).")
+    ],
+    out: Annotated[str, typer.Option(help="Output of the pipelines: a folder, or s3://bucket/prefix.")],
     grace: Annotated[float, typer.Option(help="Seconds without a commit before a pipeline counts as gone.")] = 600.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report only; change nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -955,10 +969,11 @@ def verify_cmd(
     """Find registered clicks missing from their pipeline's output whose batch is over, recover them (delete their
     registry rows if the token still matches, re-dispatch their lines), and clear the tokens of committed output."""
     from photon.recovery.verify import verify_and_recover
+    from photon.storage import open_store
 
-    _folder(logs, "--logs")
-    _folder(out, "--out")
-    report = verify_and_recover(initialised_servers(), out, logs, grace_s=grace, dry_run=dry_run)
+    source = open_store(_store_or_folder(logs, "--logs", must_exist=True))
+    target = open_store(_store_or_folder(out, "--out", must_exist=True))
+    report = verify_and_recover(initialised_servers(), target, source, grace_s=grace, dry_run=dry_run)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
@@ -1251,15 +1266,15 @@ def final_cmd(
     raise typer.Exit(0 if marker["final"] else 1)
 
 
-def _logs_source(logs: str) -> Path | str:
-    """``--logs``: a folder that exists, or an s3:// URL whose store answers (a missing bucket, wrong credentials:
-    one line, before Spark starts)."""
-    if not logs.startswith("s3://"):
-        return _folder(Path(logs), "--logs")
+def _store_or_folder(where: str, option: str, *, must_exist: bool) -> Path | str:
+    """``--logs`` or ``--out``: a folder (that exists, if ``must_exist``), or an s3:// URL whose store answers (a
+    missing bucket, wrong credentials: one line, before Spark starts)."""
+    if not where.startswith("s3://"):
+        return _folder(Path(where), option) if must_exist else Path(where)
     from photon.storage import open_store
 
-    open_store(logs).files()
-    return logs
+    open_store(where).files()
+    return where
 
 
 def _folder(path: Path, option: str) -> Path:
@@ -1345,7 +1360,7 @@ def demo(
         ok = run_registry_race(num_ids=200_000, batch=20_000, console=console)
     else:
         if logs is not None:
-            _logs_source(logs)  # a bucket that does not answer: one line, before anything starts
+            _store_or_folder(logs, "--logs", must_exist=True)  # a bucket that does not answer: one line, at once
         ok = run_pipeline_demo(
             seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console, logs_url=logs
         )

@@ -317,15 +317,18 @@ class LocalStore:
         return sorted((e.name for e in listed if e.is_dir() and not e.name.endswith(TMP_SUFFIX)), key=str.encode)
 
     def move(self, src: str, dst: str) -> bool:
-        target = self.root / _check_key(dst)
+        source, target = self._path(src), self.root / _check_key(dst)
         try:
             make_dirs(target.parent)
-            os.replace(self._path(src), target)
+            os.replace(source, target)
+            # Durable before the caller acts on it: the file in its new folder, and gone from its old one
+            fsync_dir(target.parent)
+            if source.parent != target.parent:
+                fsync_dir(source.parent)
         except FileNotFoundError:
             return False
         except OSError as exc:
             raise StorageError(f"{self.url}: {src} -> {dst}: {exc.strerror or exc}") from None
-        fsync_dir(target.parent)  # durable before the caller records the move
         return True
 
     def remove_all(self, prefix: str) -> None:

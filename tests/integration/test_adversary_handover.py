@@ -31,6 +31,7 @@ from photon.joiner.lease import Joiner
 from photon.joiner.state import PipelineState
 from photon.pg import autocommit
 from photon.registry.admin import init_registry
+from photon.storage import LocalStore
 from tests.integration import output
 from tests.integration.test_handover_wait import standby
 
@@ -266,12 +267,13 @@ def test_a_dry_batch_beside_a_live_lease_or_left_by_a_crash_registers_nothing_an
     warm = joiner(tmp_path, servers, spark=spark)
     now = int(time.time() * US)
     first = write_logs(tmp_path / "logs", "f1", now)
-    leftover = warm.staging / f"warm-up-{os.uname().nodename}-999999"
+    leftover = tmp_path / "out" / "dc-a" / "_staging" / f"warm-up-{os.uname().nodename}-999999"
     errors: list[BaseException] = []
 
     def dry() -> None:
         try:
-            warm.batches._dry_batch(leftover)  # warm_up() less its clean-up: what SIGKILL after the job leaves
+            # warm_up() less its clean-up: what SIGKILL after the job leaves
+            warm.batches._dry_batch(LocalStore(leftover))
         except BaseException as exc:  # reported below
             errors.append(exc)
 

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from photon.settings import MAX_CLOCK_SKEW_S, time_bound_s
-from photon.storage import Entry, LocalStore, Store
+from photon.storage import Entry, LocalStore, Store, as_store
 
 US = 1_000_000
 MINUTE_US = 60 * US
@@ -132,10 +132,10 @@ def now_us() -> int:
     return int(time.time() * US)
 
 
-def data_center_of(out: Path, pipeline: str) -> str:
+def data_center_of(out: Path | Store, pipeline: str) -> str:
     """The data center whose logs a pipeline read: from the ``_pipeline.json`` the joiner leaves in its folder (a
-    backfill pipeline is named apart from its data center), else the folder's name."""
-    meta = out / pipeline / "_pipeline.json"
-    if meta.is_file():
-        return str(json.loads(meta.read_text())["dc"])
-    return pipeline
+    backfill pipeline is named apart from its data center), else the folder's name. ``out``: a folder or a store."""
+    try:
+        return str(json.loads(as_store(out).get(f"{pipeline}/_pipeline.json"))["dc"])
+    except FileNotFoundError:
+        return pipeline

@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,12 +54,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from psycopg2 import sql
 
-from photon.durable import fsync_dir, make_dirs
 from photon.joiner.common import RECOVERED_PREFIX
 from photon.joiner.publish import publish_files, stage_key
 from photon.logs import tables
 from photon.logs.ids import EventKeys, format_id
-from photon.logs.layout import data_center_of, list_closed, partition_of
+from photon.logs.layout import INPROGRESS, data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED
 from photon.pg import across_failover, autocommit, connect, is_server_lost, sync_barrier
@@ -68,6 +66,7 @@ from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
 from photon.registry.sql import shard_table
 from photon.settings import load_settings
+from photon.storage import Store, as_store
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -182,22 +181,22 @@ def _tokened_rows(servers: Mapping[str, str]) -> pa.Table:
     return rows.append_column("owner", pa.array(tokens >> 32)).append_column("batch", pa.array(tokens & 0xFFFFFFFF))
 
 
-def _pipeline_folder(out: Path, pipeline: str) -> Path:
-    folder = out / pipeline
-    if not (folder / "_pipeline.json").is_file():
+def _pipeline_folder(out: Store, pipeline: str) -> Store:
+    folder = out.child(pipeline)
+    if folder.head("_pipeline.json") is None:
         raise EvidenceMissingError(
-            f"pipeline {pipeline!r} has registry rows or a batch to judge, but {folder} is not its output folder (no "
-            "_pipeline.json there): check --out (every pipeline's folder must be under it, mounted); nothing was "
+            f"pipeline {pipeline!r} has registry rows or a batch to judge, but {folder.url} is not its output folder "
+            "(no _pipeline.json there): check --out (every pipeline's folder must be under it, mounted); nothing was "
             "changed"
         )
     return folder
 
 
-def _batch_files(folder: Path, pipeline: str, batch: int, b: _Batch, *, changed: bool = False) -> pa.Array:
+def _batch_files(folder: Store, pipeline: str, batch: int, b: _Batch, *, changed: bool = False) -> pa.Array:
     """The click ids batch ``batch`` published to the pipeline's joined table (its rows carry the batch's number,
     through any compaction), checked to be the rows the batch committed. ``changed``: the pass already fenced or
     rolled forward, so the error says what it did not do rather than "nothing"."""
-    table = folder / JOINED
+    table = folder.location(JOINED)
     ids = pa.array([], pa.string())
     if tables.published_batch(folder, JOINED) is not None:
         where = ds.field(tables.BATCH) == batch
@@ -228,8 +227,8 @@ def _keys(ids: pa.Array) -> pa.Table:
 
 def verify_and_recover(
     servers: Mapping[str, str],
-    out: Path,
-    logs: Path,
+    out: Path | Store,
+    logs: Path | Store,
     *,
     grace_s: float = 600.0,
     dry_run: bool = False,
@@ -237,10 +236,10 @@ def verify_and_recover(
     """One verification pass (the numbered steps of the module's doc), run again from step 1 if a registry server
     is lost on the way (a failover): the lock is the old primary's session's and goes with it, so no step may go on
     without it; a pass cut short anywhere is what a crashed pass leaves, which the next pass completes."""
-    return across_failover(lambda: _verify_pass(servers, out, logs, grace_s, dry_run))
+    return across_failover(lambda: _verify_pass(servers, as_store(out), as_store(logs), grace_s, dry_run))
 
 
-def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: float, dry_run: bool) -> VerifyReport:
+def _verify_pass(servers: Mapping[str, str], out: Store, logs: Store, grace_s: float, dry_run: bool) -> VerifyReport:
     report = VerifyReport(dry_run=dry_run)
     dcs = _data_centers(logs)
     # 1. The lock, held by this connection's session for the whole pass; intents earlier passes left.
@@ -348,11 +347,10 @@ def _verify_pass(servers: Mapping[str, str], out: Path, logs: Path, grace_s: flo
                 lcur.execute("SELECT 1")  # the session, and so the lock, is still ours
                 _delete(servers, lost.filter(pa.array(found)))
                 report.recovered = int(np.count_nonzero(found))
-                for path in intents:  # queries' intents come first: a recovered click finds its query
-                    with contextlib.suppress(FileNotFoundError):  # a query intent another pass published already
-                        published = _publish_intent(path, servers[MAIN])
-                        if path.parent.name == "clicks":
-                            report.redispatched_files.append(str(published))
+                for key in intents:  # queries' intents come first: a recovered click finds its query
+                    published = _publish_intent(logs, key, servers[MAIN])
+                    if published is not None and key.split("/")[1] == "clicks":
+                        report.redispatched_files.append(logs.location(published))
         # 9. Clear tokens of committed output.
         _clear_tokens(servers, committed)
     return report
@@ -381,7 +379,7 @@ def _pass_lock(dsn: str) -> Iterator[Any]:
         lcur.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
 
 
-def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
+def _check_staged(folder: Store, name: str, batch: int, b: _Batch) -> None:
     """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already in the table
     (a joiner that died while publishing), must be the rows it committed."""
     have = tables.published_batch(folder, JOINED)
@@ -393,7 +391,7 @@ def _check_staged(folder: Path, name: str, batch: int, b: _Batch) -> None:
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
-            f"{folder} holds {found} of them (staged or published): its output is missing; nothing was changed"
+            f"{folder.url} holds {found} of them (staged or published): its output is missing; nothing was changed"
         )
 
 
@@ -423,18 +421,16 @@ def _ts_src(t: pa.Table) -> tuple[list[int], list[int]]:
     return t["ts_us"].to_pylist(), t["src"].to_pylist()
 
 
-def _data_centers(logs: Path) -> list[str]:
-    if not logs.is_dir():
-        return []
-    return sorted(p.name for p in logs.iterdir() if (p / "clicks").is_dir() and not p.name.startswith(("_", ".")))
+def _data_centers(logs: Store) -> list[str]:
+    return [d for d in logs.folders() if not d.startswith(("_", ".")) and "clicks" in logs.folders(d)]
 
 
-def _find_lines(lost: pa.Table, logs: Path, dcs: list[str]) -> dict[str, bytes]:
+def _find_lines(lost: pa.Table, logs: Store, dcs: list[str]) -> dict[str, bytes]:
     """The lost clicks' lines, searched in the given data centers' click logs in order."""
     return _scan(logs, dcs, "clicks", "click_id", {format_id(t, s) for t, s in zip(*_ts_src(lost), strict=True)})
 
 
-def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> dict[str, bytes]:
+def _scan(logs: Store, dcs: list[str], kind: str, key: str, wanted: set[str]) -> dict[str, bytes]:
     """Lines of ``kind`` whose ``key`` is wanted, from the data centers' logs in order. An id names the server
     process that logged it, and so does a log file's name (``<ipv4>-<pid>-<seq>.jsonl``, ``EVENTS.md``): only that
     process's files, and earlier recoveries, are read."""
@@ -444,15 +440,15 @@ def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> 
     since = partition_of(min((int(w.rsplit("-", 1)[1]) for w in wanted), default=0) - seal)
     lines: dict[str, bytes] = {}
     for dc in dict.fromkeys(dcs):
-        folder = logs / dc / kind
-        if not wanted or not folder.is_dir():
+        folder = logs.child(f"{dc}/{kind}")
+        if not wanted:
             continue
         for f in sorted(list_closed(folder, since), key=lambda f: f.rel):
             name = f.rel
             if not f.name.startswith(prefixes):
                 continue
             try:
-                content = (folder / name).read_bytes()
+                content = folder.get(name)
             except FileNotFoundError:
                 continue
             good, _ = parse_file(name, content, kind)
@@ -464,31 +460,27 @@ def _scan(logs: Path, dcs: list[str], kind: str, key: str, wanted: set[str]) -> 
     return lines
 
 
-def _write_intents(logs: Path, dcs: list[str], kind: str, name: str, content: bytes) -> list[Path]:
-    """Write ``<name>.inprogress`` into each data center's ``kind`` folder, synced with the folder; readers skip it
-    until it is renamed. Every data center's folder must take it, or the pass stops before deleting anything."""
+def _write_intents(logs: Store, dcs: list[str], kind: str, name: str, content: bytes) -> list[str]:
+    """Write ``<dc>/<kind>/<name>.inprogress`` for each data center, durably (a folder's synced with it, an object
+    store's acknowledged); readers skip it until it is published. Every data center's logs must take it, or the pass
+    stops before deleting anything. Returns the keys written."""
     if not content:
         return []
     written = []
     for dc in dcs:
-        folder = logs / dc / kind
-        path = folder / f"{name}.inprogress"
+        key = f"{dc}/{kind}/{name}{INPROGRESS}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as fh:
-                fh.write(content)
-                fh.flush()
-                os.fsync(fh.fileno())
-            fsync_dir(folder)
+            logs.put(key, content)
         except OSError as exc:
             raise VerifyError(
-                f"cannot write recovered {kind} into {folder} ({exc}); no registry row was deleted"
+                f"cannot write recovered {kind} into {logs.location(f'{dc}/{kind}')} ({exc}); no registry row was "
+                "deleted"
             ) from exc
-        written.append(path)
+        written.append(key)
     return written
 
 
-def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[str]) -> None:
+def _publish_leftover_intents(servers: Mapping[str, str], logs: Store, dcs: list[str]) -> None:
     """Rename the intents a pass that died (or lost its lock) left behind, where that is safe: a query intent
     always; a click intent once none of its clicks is held by a token (a click made readable while a row that may
     still be deleted holds it would be dropped by the pre-filter and then lost). The rest wait for a later pass."""
@@ -496,32 +488,43 @@ def _publish_leftover_intents(servers: Mapping[str, str], logs: Path, dcs: list[
 
     for kind in ("queries", "clicks"):
         for dc in dcs:
-            folder = logs / dc / kind
-            for n in sorted(os.listdir(folder)) if folder.is_dir() else []:
-                if not (n.startswith(RECOVERED_PREFIX) and n.endswith(".jsonl.inprogress")):
+            for e in logs.files(f"{dc}/{kind}"):
+                n = e.key.rpartition("/")[2]
+                if not (n.startswith(RECOVERED_PREFIX) and n.endswith(f".jsonl{INPROGRESS}")):
                     continue
                 if kind == "clicks":
-                    good, _ = parse_file(n, (folder / n).read_bytes(), "clicks")
+                    try:
+                        good, _ = parse_file(n, logs.get(e.key), "clicks")
+                    except FileNotFoundError:
+                        continue  # published by another pass meanwhile
                     with IdRegistry(servers) as reg:
                         if good.num_rows and bool((reg.lookup(good["click_id"]).tokens != 0).any()):
                             continue
-                _publish_intent(folder / n, servers[MAIN])
+                _publish_intent(logs, e.key, servers[MAIN], leftover_since_us=e.modified_us)
 
 
-def _publish_intent(path: Path, main_dsn: str) -> Path:
-    """Rename an intent (``<kind>/<name>.inprogress``) to a closed log file in the partition of this moment by the
-    registry main server's clock, as any log file arriving now (EVENTS.md), durably; returns the file. Not this
-    host's clock: the joiners seal partitions by the server's, and a verifier host behind it would put the file in
-    a partition they may have moved past for good."""
-    target = path.parent / partition_of(server_clock_us(main_dsn)) / path.name.removesuffix(".inprogress")
-    make_dirs(target.parent)
-    os.replace(path, target)
-    fsync_dir(target.parent)
-    fsync_dir(path.parent)
-    return target
+def _publish_intent(logs: Store, key: str, main_dsn: str, leftover_since_us: int | None = None) -> str | None:
+    """Move an intent (``<dc>/<kind>/<name>.inprogress``) to a closed log file in the partition of this moment by
+    the registry main server's clock, as any log file arriving now (EVENTS.md), durably; returns its key, or None if
+    the intent is gone (published by another pass). Not this host's clock: the joiners seal partitions by the
+    server's, and a verifier host behind it would put the file in a partition they may have moved past for good.
+
+    An object store moves by copying, then deleting: a pass that died between the two leaves an intent whose file
+    is published already. A leftover intent (``leftover_since_us``: when it was written) is first looked for among
+    the closed files since then, and only deleted if it is there, never published twice."""
+    folder, _, name = key.rpartition("/")
+    closed = name.removesuffix(INPROGRESS)
+    if leftover_since_us is not None and logs.atomic:
+        since = partition_of(leftover_since_us - int((load_settings().seal_s + load_settings().max_clock_skew_s) * US))
+        for f in list_closed(logs.child(folder), since):
+            if f.name == closed:
+                logs.delete(key)
+                return None
+    target = f"{folder}/{partition_of(server_clock_us(main_dsn))}/{closed}"
+    return target if logs.move(key, target) else None
 
 
-def _find_query_lines(click_lines: Any, logs: Path, dcs: list[str]) -> dict[str, bytes]:
+def _find_query_lines(click_lines: Any, logs: Store, dcs: list[str]) -> dict[str, bytes]:
     """The query lines of the recovered clicks, from any data center's query logs (the process that logged a query
     names its files, as for clicks): re-dispatched with them, so a surviving replica that lags behind the lost one
     still joins them."""

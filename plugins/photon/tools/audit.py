@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from photon.logs import tables
 from photon.logs.layout import data_center_of
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
+from photon.storage import LocalStore, Store, as_store
 
 if TYPE_CHECKING:
     from rich.console import Console  # print_audit's caller brings its console
@@ -116,27 +117,28 @@ class AuditReport:
         return json.dumps({**asdict(self), "ok": self.ok, "failures": self.failures()}, indent=2, sort_keys=True)
 
 
-def pipelines_in(out: Path) -> list[str]:
-    if not out.is_dir():
+def pipelines_in(out: Path | Store) -> list[str]:
+    """The pipeline folders of the output ``out`` (a folder or a store)."""
+    store = as_store(out)
+    if isinstance(store, LocalStore) and not store.root.is_dir():
         raise FileNotFoundError(f"output folder {out} does not exist")
-    return sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+    return [name for name in store.folders() if not name.startswith(("_", "."))]
 
 
-def read_output(out: Path, kind: str, columns: list[str], where: ds.Expression | None = None) -> pa.Table:
+def read_output(out: Path | Store, kind: str, columns: list[str], where: ds.Expression | None = None) -> pa.Table:
     """One output kind of every pipeline (rows matching ``where``), with a ``folder`` column naming the pipeline
     folder it came from: the rows of each table's current snapshot (committed batches only). A folder that is not a
     table but holds Parquet files (an older version's layout) is refused: read as empty, its clicks would be lost."""
-    from deltalake import DeltaTable
-
-    names = pipelines_in(out)
+    store = as_store(out)
+    names = pipelines_in(store)
     for name in names:
-        folder = out / name / kind
-        if folder.is_dir() and not DeltaTable.is_deltatable(str(folder)) and any(folder.glob("*.parquet")):
+        key = f"{name}/{kind}"
+        if not tables.is_table(store, key) and any(e.key.endswith(".parquet") for e in store.files(key)):
             raise tables.OutputTableError(
-                f"{folder} holds Parquet files but is not a Delta table (an output folder of an older version of "
-                "this project?): the audit reads the output tables only"
+                f"{store.location(key)} holds Parquet files but is not a Delta table (an output folder of an older "
+                "version of this project?): the audit reads the output tables only"
             )
-    return tables.read(out, kind, columns, where, only=names, with_pipeline_folder=True)
+    return tables.read(store, kind, columns, where, only=names, with_pipeline_folder=True)
 
 
 def _sample(arr: pa.Array | pa.ChunkedArray) -> list[str]:
@@ -155,7 +157,7 @@ def _unique(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 
 def audit(
-    out: Path,
+    out: Path | Store,
     *,
     manifest: Path | None = None,
     logs: Path | None = None,
