@@ -1347,6 +1347,13 @@ def demo(
             "from the AWS_* variables) instead of the run's folder."
         ),
     ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            help="Write the output tables and the pipelines' state into s3://bucket/prefix (a prefix of the run's "
+            "own) instead of the run's folder."
+        ),
+    ] = None,
 ) -> None:
     """Both data centers joining generated live logs at once into Delta tables (under .photon/demo/<time>/out, or
     PHOTON_HOME's; with a registry database of the run's own), ending with an audit and a check of every table
@@ -1359,10 +1366,13 @@ def demo(
     if registry_race:
         ok = run_registry_race(num_ids=200_000, batch=20_000, console=console)
     else:
-        if logs is not None:
-            _store_or_folder(logs, "--logs", must_exist=True)  # a bucket that does not answer: one line, at once
+        for option, url in (("--logs", logs), ("--out", out)):
+            if url is not None:  # a bucket that does not answer: one line, at once
+                if not url.startswith("s3://"):
+                    raise ValueError(f"{option} {url}: the demo writes into its run's folder, or into s3://...")
+                _store_or_folder(url, option, must_exist=True)
         ok = run_pipeline_demo(
-            seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console, logs_url=logs
+            seconds=seconds, rate=rate, max_join_delay_s=max_join_delay, console=console, logs_url=logs, out_url=out
         )
     raise typer.Exit(0 if ok else 1)
 

@@ -320,13 +320,16 @@ class LocalStore:
         source, target = self._path(src), self.root / _check_key(dst)
         try:
             make_dirs(target.parent)
-            os.replace(source, target)
-            # Durable before the caller acts on it: the file in its new folder, and gone from its old one
+            try:
+                os.replace(source, target)
+            except FileNotFoundError:
+                return False  # moved by someone else already
+            # Durable before the caller acts on it: the file in its new folder, and gone from its old one (a folder
+            # removed meanwhile, by a publisher that cleared the stage, has nothing left to sync)
             fsync_dir(target.parent)
             if source.parent != target.parent:
-                fsync_dir(source.parent)
-        except FileNotFoundError:
-            return False
+                with contextlib.suppress(FileNotFoundError):
+                    fsync_dir(source.parent)
         except OSError as exc:
             raise StorageError(f"{self.url}: {src} -> {dst}: {exc.strerror or exc}") from None
         return True
@@ -570,6 +573,24 @@ class S3Store:
     def child(self, prefix: str) -> S3Store:
         _check_key(prefix.strip("/"))
         return S3Store(f"s3://{self.bucket}/{'/'.join(p for p in (self.prefix, prefix.strip('/')) if p)}", self.options)
+
+
+def check_conditional_writes(store: Store, folder: str = "_probe") -> None:
+    """Refuse (``StorageError``, one line naming the store) a store whose put-if-absent writes anyway: a server that
+    ignores ``If-None-Match`` would let two publishers of one batch both commit the same Delta table version. Three
+    requests: a put-if-absent of a new key, the same again (must lose), a delete."""
+    key = f"{folder}/conditional-{secrets.token_hex(8)}"
+    try:
+        first = store.put(key, b"1\n", if_absent=True)
+        second = store.put(key, b"2\n", if_absent=True)
+    finally:
+        store.delete(key)
+    if not first or second:
+        raise StorageError(
+            f"{store.url}: the store does not honour conditional writes (a put with If-None-Match: * "
+            f"{'wrote over an existing object' if second else 'was refused for a new key'}); photon needs them for "
+            "its output tables: use a store that supports them (AWS S3, SeaweedFS, MinIO, R2)"
+        )
 
 
 def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:

@@ -166,3 +166,57 @@ def test_the_verifier_recovers_a_data_center_lost_for_good_through_the_bucket(
         for dc in ("dc-a", "dc-b")
     )
     assert joined == len(ids) == audited.outcomes["joined"], "a click joined by both data centers"
+
+
+def test_the_store_killed_hard_mid_run_fails_the_lease_in_one_line_and_the_next_lease_loses_nothing(
+    tmp_path: Path,
+    s3_server: storage_server.Server,
+    bucket: str,
+    make_db: Callable[[], str],
+    login_as: Callable[[str, str], str],
+) -> None:
+    """The S3 server SIGKILLed while a joiner writes its batches there, and started again a few seconds later (on
+    its ports: the clients' endpoint stays right). The lease fails, saying so in one line with no credential in it;
+    the next lease (Airflow's retry) resumes from the committed position: every click once, none lost."""
+    manifest = tmp_path / "manifest"
+    start = (int(time.time()) - 15) * US
+    logs, out = S3Store(f"s3://{bucket}/logs"), S3Store(f"s3://{bucket}/out")
+    settings = GeneratorSettings(events_per_s=300, dcs=("dc-a",), lost_query_fraction=0.05, max_join_delay_s=20)
+    generate(settings, logs.url, start_us=start, end_us=start + 12 * US, manifest=manifest)
+    admin = make_db()
+    init_registry({"main": admin}, num_shards=4)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", **s3_server.env()}
+    env["PHOTON_REGISTRY_DSN"] = login_as(admin, "photon_joiner")
+    env["PHOTON_TEST_MAX_CLICK_FILES"] = "2"
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", logs.url, "--out", out.url]
+    cmd += ["--until-caught-up", "--drain", "--trigger-interval", "0.1", "--max-join-delay", "20"]
+
+    def committed() -> int:
+        with autocommit(admin) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM photon.batches WHERE pipeline = 'dc-a'")
+            return int(cur.fetchone()[0])
+
+    lease = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while committed() < 2 and lease.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert committed() >= 2 and lease.poll() is None, "the lease never got going"
+        storage_server.stop(s3_server.folder, hard=True)
+        time.sleep(3)
+        storage_server.start(s3_server.folder)
+        stdout, stderr = lease.communicate(timeout=240)
+    finally:
+        if lease.poll() is None:
+            lease.kill()
+    secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in stdout + stderr
+    first_failed = lease.returncode != 0
+    if first_failed:  # it failed, saying why in one line at its end
+        assert "Traceback" not in stderr, stderr[-3000:]
+        assert "s3://" in stderr.strip().splitlines()[-1], stderr[-3000:]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    report = audit(out, manifest=manifest)
+    assert report.ok and report.lost == 0 and report.duplicate_clicks == 0, report.failures()
+    assert first_failed, "the store's death went unnoticed by the lease writing to it"

@@ -1,6 +1,7 @@
 """Review of the logs-on-a-store change (issue 35): the joiner's reads through ``photon.storage`` keep every rule a
 folder had, and an object store's failures fail the work instead of deciding clicks on them. Each test failed on the
-commit that moved the reads."""
+commit that moved the reads. Last, a store that could not carry the output's commits (put-if-absent ignored) is
+refused."""
 
 from __future__ import annotations
 
@@ -204,3 +205,21 @@ def test_commands_that_read_a_logs_folder_refuse_a_bucket_in_one_line(tmp_path: 
         assert r.returncode == 2 and said.splitlines() == [
             "error: --logs s3://photon/logs: this command reads a folder, not an object store (yet)"
         ], said
+
+
+class _IgnoresIfNoneMatch(LocalStore):
+    """A store as a server that ignores ``If-None-Match`` behaves: every put writes (none runs here to test against;
+    SeaweedFS, the one the tests start, honours it)."""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        return super().put(key, data)
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_in_one_line_and_left_as_it_was(tmp_path: Path) -> None:
+    from photon.storage import check_conditional_writes
+
+    check_conditional_writes(LocalStore(tmp_path / "honest"))  # a store that honours them passes
+    assert list(LocalStore(tmp_path / "honest").listing()) == []  # and keeps nothing of the probe
+    with pytest.raises(StorageError, match=r"does not honour conditional writes.*wrote over an existing object"):
+        check_conditional_writes(_IgnoresIfNoneMatch(tmp_path / "sloppy"))
+    assert list(LocalStore(tmp_path / "sloppy").listing()) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -121,6 +122,12 @@ def _maybe_crash(point: str, batch_seq: int, lease_batch: int) -> None:
 def batch_tag(batch: int, epoch: int) -> str:
     """The name a batch's staged files start with: its number and the epoch of the lease that ran it."""
     return f"b{batch:010d}-e{epoch}"
+
+
+def epoch_of_tag(name: str) -> int | None:
+    """The lease epoch a ``batch_tag`` names, or None if ``name`` is not one."""
+    m = re.fullmatch(r"b\d{10}-e(\d+)", name)
+    return int(m.group(1)) if m else None
 
 
 def _fingerprint() -> str:

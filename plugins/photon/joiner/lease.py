@@ -30,6 +30,7 @@ from photon.joiner.common import (
     BatchResult,
     JoinSettings,
     batch_tag,
+    epoch_of_tag,
 )
 from photon.joiner.discovery import Discovery, oldest_partition, query_index_range
 from photon.joiner.eventstore import RECOVER_STORE, read_store_file
@@ -39,7 +40,7 @@ from photon.logs.layout import partition_start_us
 from photon.logs.tables import ensure_tables
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.spark_session import default_parallelism
-from photon.storage import Entry, Store, open_store
+from photon.storage import Entry, Store, check_conditional_writes, open_store
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class Joiner:
         self.state = PipelineState(self.servers["main"], self.pipeline)
         self.root = self.out.child(self.pipeline)
         self.state_store = self.root.child(STATE)
+        if self.out.atomic:  # an object store: its conditional writes carry the tables' commits
+            check_conditional_writes(self.state_store)
         ensure_tables(self.root)  # before any lease: an --out holding something else is refused, untouched
         self.lease: Lease | None = None
         self.index_stats: dict[str, Any] = {}  # what the last lease start did to the shared index (tests, logs)
@@ -130,11 +133,7 @@ class Joiner:
             if not published:
                 self.batches.publish(b, e)
                 self.state.heartbeat(lease)  # alive while it publishes: a standby must not take it for dead
-        keep = {batch_tag(*max(committed))} if committed else set()  # the last batch's retry set: the live one
-        self.root.remove_all(STAGING)  # whatever is still staged was never committed
-        for name in self.state_store.folders("retries"):
-            if name not in keep:
-                self.state_store.remove_all(f"retries/{name}")
+        self._sweep(lease, {batch_tag(*max(committed))} if committed else set())
         now = self.clock.now_us()
         marks = self.state.marks() if committed else self.discovery.first_marks(lease.start_us, now)
         self.discovery.restart(marks, self.state.consumed(marks), lease.start_us)
@@ -159,6 +158,21 @@ class Joiner:
             self._prepare_lookups(lease.start_us, new_pipeline=not committed)
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
+
+    def _sweep(self, lease: Lease, keep: set[str]) -> None:
+        """What earlier leases left and nothing will read: their stages (never committed: the committed ones were
+        published just now) and their retry sets but the last committed batch's (``keep``). Only an earlier epoch's:
+        a sweep that outlives this lease's fence (a slow store, a paused process) must never remove what the lease
+        that fenced it writes (its stage before its commit, its retry set after it). A stage not named by a batch (a
+        warm-up's, a tool's) is swept too: its writer lets nothing depend on it."""
+        for name in self.root.folders(STAGING):
+            epoch = epoch_of_tag(name)
+            if epoch is None or epoch < lease.epoch:
+                self.root.remove_all(f"{STAGING}/{name}")
+        for name in self.state_store.folders("retries"):
+            epoch = epoch_of_tag(name)
+            if name not in keep and epoch is not None and epoch < lease.epoch:
+                self.state_store.remove_all(f"retries/{name}")
 
     # hand-over: a standby lease warms up while the current one runs, and takes over when it ends ------------
     def warm_up(self) -> None:

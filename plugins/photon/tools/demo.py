@@ -18,6 +18,7 @@ from photon.pg import autocommit, create_database, drop_database, redact, with_d
 from photon.registry.admin import init_registry
 from photon.registry.client import IdRegistry, Outcome, RegistryError, servers_from_settings
 from photon.registry.owners import create_owner, end_owner
+from photon.storage import Store
 from photon.tools.status import when
 
 
@@ -145,13 +146,20 @@ def _race(servers: dict[str, str], *, num_ids: int, batch: int, console: Console
 
 
 def run_pipeline_demo(
-    *, seconds: float, rate: float, max_join_delay_s: float, console: Console, logs_url: str | None = None
+    *,
+    seconds: float,
+    rate: float,
+    max_join_delay_s: float,
+    console: Console,
+    logs_url: str | None = None,
+    out_url: str | None = None,
 ) -> bool:
     """Both data centers end to end: live logs with late queries, duplicates, malformed lines and an outage of
     dc-b's replica; both joiners at once, a reshard from 4 to 8 shards while they run; then the independent audit
     (it reads the output tables), each pipeline's tables against its committed batches (``check_tables``), a
     registry GC, and the report's charts. ``logs_url``: the live logs go to a prefix of the run's own under this
-    s3:// URL (removed after a passing run), the manifest to the run's folder."""
+    s3:// URL (removed after a passing run), the manifest to the run's folder; ``out_url``: the output and the
+    pipelines' state likewise (kept)."""
     import shutil
     import threading
 
@@ -170,8 +178,9 @@ def run_pipeline_demo(
 
     home = load_settings().home
     run = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    out, manifest = run / "out", run / ("manifest" if logs_url else f"logs/{MANIFEST_DIR}")
+    manifest = run / ("manifest" if logs_url else f"logs/{MANIFEST_DIR}")
     logs: Path | str = f"{logs_url.rstrip('/')}/{run.name}" if logs_url else run / "logs"
+    out = open_store(f"{out_url.rstrip('/')}/{run.name}" if out_url else run / "out")
     # A registry database of its own: a pipeline's registry state and its output folder belong together.
     main = servers_from_settings()["main"]
     servers = {"main": create_database(with_dbname(main, "postgres"), f"photon_demo_{run.name.replace('-', '_')}")}
@@ -187,6 +196,7 @@ def run_pipeline_demo(
         f"demo in {run}: {seconds:.0f}s of live logs at {rate:,.0f} events/s for dc-a and dc-b "
         f"(dc-b's replica stops for 20s), max join delay {max_join_delay_s:.0f}s"
         + (f"; logs in {logs}" if logs_url else "")
+        + (f"; output in {out.url}" if out_url else "")
     )
     spark = get_spark("photon-demo", master="local[2]", shuffle_partitions=4)
     start = int(time.time() * 1e6)
@@ -204,7 +214,12 @@ def run_pipeline_demo(
     def join(dc: str) -> None:
         try:
             joiner = Joiner(
-                dc, logs, out, servers, spark, JoinSettings(max_join_delay_s=max_join_delay_s, trigger_interval_s=1.0)
+                dc,
+                logs,
+                out.url,
+                servers,
+                spark,
+                JoinSettings(max_join_delay_s=max_join_delay_s, trigger_interval_s=1.0),
             )
             while not done.is_set():
                 joiner.run(
@@ -262,13 +277,13 @@ def run_pipeline_demo(
             for e in list(store.listing()):
                 store.delete(e.key)
             console.print(f"logs removed from {logs}")
-        console.print(f"output kept in {out}")
+        console.print(f"output kept in {out.url}")
     else:
-        console.print(f"logs and output kept: `photon audit --out {out} --manifest {manifest}` audits them again")
+        console.print(f"logs and output kept: `photon audit --out {out.url} --manifest {manifest}` audits them again")
     return report.ok and tables_ok
 
 
-def check_tables(main_dsn: str, out: Path, console: Console) -> bool:
+def check_tables(main_dsn: str, out: Path | Store, console: Console) -> bool:
     """Each pipeline's output tables against the batches the registry committed for it, once every lease has
     drained: per table, the rows its snapshot names (the Delta log's file statistics, no data read) are the sum of
     the committed batches' counts of that kind, and its last published batch (its txn version) is the last batch

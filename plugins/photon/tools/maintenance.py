@@ -307,13 +307,18 @@ def table_facts(t: tables.OutputTable, dt: DeltaTable | None = None) -> TableFac
     """The table's size and history now (``TableFacts``)."""
     dt = dt or t.table()
     adds = pa.table(dt.get_add_actions(flatten=True))
+    # Through the store (a folder or a bucket): the data files, and the log's commits and checkpoints
     on_disk = [
-        p for p in t.path.rglob("*.parquet") if LOG not in p.relative_to(t.path).parts and not p.name.startswith(".")
+        e
+        for e in t.store.listing(t.key)
+        if e.key.endswith(".parquet")
+        and LOG not in e.key.removeprefix(t.key + "/").split("/")
+        and not e.key.rpartition("/")[2].startswith(".")
     ]
-    sizes = [_size(p) for p in on_disk]
-    log = t.path / LOG
-    commits = sorted(int(p.name.split(".")[0]) for p in log.glob("*.json"))
-    checkpoint = max((int(p.name.split(".")[0]) for p in log.glob("*.checkpoint*.parquet")), default=-1)
+    sizes = [e.size for e in on_disk]
+    names = [e.key.rpartition("/")[2] for e in t.store.files(f"{t.key}/{LOG}")]
+    commits = sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n.split(".")[0].isdigit())
+    checkpoint = max((int(n.split(".")[0]) for n in names if ".checkpoint" in n and n.endswith(".parquet")), default=-1)
     return TableFacts(
         version=dt.version(),
         files=adds.num_rows,
@@ -371,13 +376,6 @@ def _props(action: str) -> Any:
     from deltalake import CommitProperties
 
     return CommitProperties(custom_metadata={"photon.maintenance": action})
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:  # vacuumed by another run while this one counted
-        return 0
 
 
 def format_bytes(n: float) -> str:
