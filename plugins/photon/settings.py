@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     # How long a write keeps retrying a lost server (whole transactions, a multi-host DSN finding the new primary):
     # a failover takes Patroni's ttl (20 s at least) plus the promotion, so 45 s.
     registry_failover_s: float = 45.0
+    # How long a request to an object store is retried (a throttled store, one restarting, a dropped connection)
+    # before the work fails and runs again: a batch, a lease start. Within the registry's failover budget; the
+    # client's own default (3 minutes) would hold a lease that long on a store that is gone.
+    storage_retry_s: float = Field(default=30.0, gt=0, le=300)
     # Local state: the embedded PostgreSQL's data folder lives here.
     home: Path = Path(".photon")
     # Server clocks are off by at most this much (EVENTS.md).

@@ -18,11 +18,13 @@ import contextlib
 import functools
 import mmap
 import os
+import re
 import secrets
 import shutil
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -373,7 +375,12 @@ class S3Store:
         try:
             if self.prefix:
                 _check_key(self.prefix)
-            self._store = _S3(bucket, prefix=self.prefix or None, config=cast("S3Config", config) or None)
+            self._store = _S3(
+                bucket,
+                prefix=self.prefix or None,
+                config=cast("S3Config", config) or None,
+                retry_config={"max_retries": 10, "retry_timeout": timedelta(seconds=_retry_s())},
+            )
         except StorageError:
             raise
         except Exception as exc:  # an unknown option, a malformed endpoint: one line, never the values
@@ -385,9 +392,8 @@ class S3Store:
     def _error(self, exc: Exception, key: str) -> StorageError:
         from obstore.exceptions import NotFoundError as _NotFound
 
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         cls = NotFoundError if isinstance(exc, (_NotFound, FileNotFoundError)) else StorageError
-        return cls(f"{self.url}: {key or '(listing)'}: {first}")
+        return cls(f"{self.url}: {key or '(listing)'}: {error_text(exc)}")
 
     @staticmethod
     def _entry(meta: Mapping[str, Any]) -> Entry:
@@ -413,7 +419,11 @@ class S3Store:
             if isinstance(exc, StorageError):
                 raise
             raise self._error(exc, prefix) from None
-        yield from sorted(found, key=lambda e: e.key.encode())
+        # SeaweedFS lists a folder emptied by deletes as an object named like the folder: never one of its objects
+        under = f"{folder}/" if folder else ""
+        yield from sorted(
+            (e for e in found if e.key.startswith(under) and e.key != folder), key=lambda e: e.key.encode()
+        )
 
     def _walk(self, folder: str | None, after: str | None) -> list[Entry]:
         import obstore
@@ -441,7 +451,9 @@ class S3Store:
             found = obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None)["objects"]
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, prefix) from None
-        return sorted((self._entry(m) for m in found), key=lambda e: e.key.encode())
+        under = f"{folder}/" if folder else ""  # not the folder itself, as SeaweedFS lists an emptied one (listing)
+        entries = (self._entry(m) for m in found)
+        return sorted((e for e in entries if e.key.startswith(under) and e.key != folder), key=lambda e: e.key.encode())
 
     def head(self, key: str) -> Entry | None:
         import obstore
@@ -555,6 +567,7 @@ class S3Store:
 
     def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
         options = {k: v for k, v in self._config.items()}
+        options |= {"max_retries": "10", "retry_timeout": f"{max(1, round(_retry_s()))}s"}  # as this client's
         # The standard variables, as obstore reads them (deltalake's own reading of the environment differs)
         for name in (
             "AWS_ENDPOINT_URL",
@@ -591,6 +604,25 @@ def check_conditional_writes(store: Store, folder: str = "_probe") -> None:
             f"{'wrote over an existing object' if second else 'was refused for a new key'}); photon needs them for "
             "its output tables: use a store that supports them (AWS S3, SeaweedFS, MinIO, R2)"
         )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_text(exc: BaseException) -> str:
+    """An object store client's error in one line: its first line (what failed) and, where the client nests its
+    causes, the innermost (why: "Connection refused"), without terminal colours. Never a credential: the clients'
+    messages name the URL and the request, not the keys."""
+    lines = [ln.strip(" ↳") for ln in _ANSI.sub("", str(exc)).splitlines() if ln.strip(" ↳")]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _retry_s() -> float:
+    from photon.settings import load_settings  # the settings module reads the environment: at use, not at import
+
+    return load_settings().storage_retry_s
 
 
 def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:

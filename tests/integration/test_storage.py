@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from photon.storage import LocalStore, NotFoundError, S3Store, StorageError, open_store
@@ -98,6 +98,8 @@ EXAMPLES = int(os.environ.get("PHOTON_STORAGE_EXAMPLES", "60"))  # more for a lo
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
+# Found by a full run: SeaweedFS keeps a folder emptied by a delete, and listed it as an object named like the folder
+@example(ops=[("put", "a-b/b", b"", False), ("delete", "a-b/b"), ("list", "a-b", None)])
 def test_a_folder_and_a_bucket_answer_every_sequence_of_operations_alike(
     ops: list[tuple], bucket: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

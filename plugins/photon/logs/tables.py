@@ -16,6 +16,7 @@ the joiner's Spark tasks write Parquet only and never import it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -37,7 +38,7 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
-from photon.storage import LocalStore, Store, as_store
+from photon.storage import LocalStore, StorageError, Store, as_store, error_text
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -145,19 +146,35 @@ def staged_rows(root: Path | Store, stage: str, kind: str) -> int:
 # -- Publishing: the driver, after the fenced registry commit ---------------------------------------------------
 
 
+@contextlib.contextmanager
+def store_errors(store: Store, key: str) -> Iterator[None]:
+    """deltalake's failures to reach the store (an ``OSError`` spanning many lines, in colour) as one
+    ``StorageError`` line naming the table; its own verdicts (a lost commit race, no table) as they are."""
+    from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+    try:
+        yield
+    except (CommitFailedError, TableNotFoundError, StorageError):
+        raise
+    except OSError as exc:
+        raise StorageError(f"{store.location(key)}: {error_text(exc)}") from None
+
+
 def _delta(store: Store, key: str) -> DeltaTable:
     """The Delta table at ``key`` of ``store`` (TableNotFoundError if there is none)."""
     from deltalake import DeltaTable
 
     uri, options = store.delta_location(key)
-    return DeltaTable(uri, storage_options=options or None)
+    with store_errors(store, key):
+        return DeltaTable(uri, storage_options=options or None)
 
 
 def is_table(store: Store, key: str) -> bool:
     from deltalake import DeltaTable
 
     uri, options = store.delta_location(key)
-    return bool(DeltaTable.is_deltatable(uri, storage_options=options or None))
+    with store_errors(store, key):
+        return bool(DeltaTable.is_deltatable(uri, storage_options=options or None))
 
 
 def open_table(root: Path | Store, kind: str) -> DeltaTable:
@@ -173,14 +190,15 @@ def open_table(root: Path | Store, kind: str) -> DeltaTable:
     except TableNotFoundError:
         _refuse_foreign(store, kind)
         try:
-            return DeltaTable.create(
-                uri,
-                table_schema(kind),
-                partition_by=[PARTITION],
-                mode="ignore",
-                name=f"photon {kind}",
-                storage_options=options or None,
-            )
+            with store_errors(store, kind):
+                return DeltaTable.create(
+                    uri,
+                    table_schema(kind),
+                    partition_by=[PARTITION],
+                    mode="ignore",
+                    name=f"photon {kind}",
+                    storage_options=options or None,
+                )
         except Exception as exc:  # a racing creator: the table is there now, or the error is real
             try:
                 table = _delta(store, kind)
@@ -274,15 +292,17 @@ def publish_batch(
             custom_metadata={"photon.pipeline": pipeline, "photon.batch": batch},
         )
         while True:
-            table.update_incremental()
+            with store_errors(store, kind):
+                table.update_incremental()
             have = table.transaction_version(app_id(pipeline))
             if have is not None and have >= batch:
                 done[kind] = "already"
                 break
             try:
-                table.create_write_transaction(
-                    actions, "append", table_schema(kind), [PARTITION], commit_properties=props
-                )
+                with store_errors(store, kind):
+                    table.create_write_transaction(
+                        actions, "append", table_schema(kind), [PARTITION], commit_properties=props
+                    )
                 done[kind] = "committed"
                 if committed is not None:
                     committed(kind)
