@@ -155,6 +155,7 @@ SLOW_FIRST = (
     "tests/integration/test_quiet_output.py",  # 36 s and 23 s (a join task through spark-submit; a join)
     "tests/integration/test_verify_safety.py::test_the_surviving_data_center",  # 51 s, 44 s
     "tests/integration/test_reshard.py::test_reshard_4_to_12",  # 70 s
+    "tests/integration/test_object_store_output.py",  # 80 s and 53 s: a Spark start per pipeline process
     "tests/integration/test_readme_walk.py::test_a_newcomer_pastes_the_first_run",  # 45 s: two pasted joins
     "tests/integration/test_audit.py::test_logs_mode",  # 77 s with its fixture
     "tests/unit/test_parse_properties.py::test_random_bytes",  # 48 s
@@ -164,6 +165,8 @@ SLOW_FIRST = (
     "tests/integration/test_acknowledged_replicated_paths.py",  # five server pairs, 3-10 s each
     "tests/integration/test_acknowledged_replicated.py",  # four server pairs, 6-8 s each
     "tests/integration/test_start.py",  # 15-73 s
+    "tests/integration/test_object_store_logs.py",  # 30 s
+    "tests/integration/test_lease_start_sweep.py",  # 4 x 10 s
     "tests/integration/test_join_signals.py",  # 9-13 s each, a real `photon join` apiece
     "tests/integration/test_table_publish.py",  # 7-30 s: racing publishers, two leases and the verifier
     "tests/integration/test_table_maintenance.py",
