@@ -562,8 +562,16 @@ class S3Store:
         return True
 
     def remove_all(self, prefix: str) -> None:
-        for e in self.listing(prefix):
-            self.delete(e.key)
+        import obstore
+
+        keys = [e.key for e in self.listing(prefix)]
+        for i in range(0, len(keys), 1000):  # DeleteObjects: up to 1,000 keys a request (a stage's are dozens)
+            try:
+                obstore.delete(self._store, keys[i : i + 1000])
+            except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
+                continue
+            except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+                raise self._error(exc, prefix) from None
 
     def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
         options = {k: v for k, v in self._config.items()}

@@ -548,16 +548,15 @@ def verify_recover_dag() -> DAG:
 
         @task(task_id="verify_and_recover")
         def verify(logs: str, out: str, **context: Any) -> dict[str, Any]:
-            from pathlib import Path
-
             from photon.airflow.hooks import IdRegistryHook
             from photon.recovery.verify import verify_and_recover
+            from photon.storage import open_store
 
             p = context["params"]
             report = verify_and_recover(
                 IdRegistryHook(component="verifier").servers(),
-                Path(out),
-                Path(logs),
+                open_store(out),  # a folder or an s3:// URL (credentials from the worker's environment)
+                open_store(logs),
                 grace_s=float(p["grace_s"]),
                 dry_run=bool(p["dry_run"]),
             )
