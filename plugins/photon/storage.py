@@ -392,8 +392,13 @@ class S3Store:
     def _error(self, exc: Exception, key: str) -> StorageError:
         from obstore.exceptions import NotFoundError as _NotFound
 
+        if "<Code>NoSuchBucket</Code>" in str(exc):  # S3's answer for a bucket, not for a key: say it plainly
+            return StorageError(f"{self.url}: the bucket {self.bucket!r} does not exist on {self._endpoint()}")
         cls = NotFoundError if isinstance(exc, (_NotFound, FileNotFoundError)) else StorageError
         return cls(f"{self.url}: {key or '(listing)'}: {error_text(exc)}")
+
+    def _endpoint(self) -> str:
+        return self._config.get("aws_endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
 
     @staticmethod
     def _entry(meta: Mapping[str, Any]) -> Entry:

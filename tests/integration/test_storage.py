@@ -155,6 +155,23 @@ def test_errors_are_one_line_and_name_the_store_never_the_secret(bucket: str, mo
         open_store("gs://bucket/x")
 
 
+def test_photon_join_refuses_a_bucket_that_does_not_exist_saying_so_in_one_line(bucket: str, tmp_path: Path) -> None:
+    """Newcomer walk: a missing bucket was one line ending in a cut-off "404 Not Found: <?xml ..." that never said
+    the bucket was missing. For --out and --logs alike, before any registry or Spark start."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    missing = f"{bucket}-gone"
+    for logs, out in ((f"s3://{bucket}/logs", f"s3://{missing}/out"), (f"s3://{missing}/logs", str(tmp_path))):
+        r = subprocess.run(
+            [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", logs, "--out", out, "--until-caught-up"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        said = (r.stdout + r.stderr).strip().splitlines()
+        where = out if missing in out else logs
+        assert r.returncode == 2 and said == [
+            f"error: {where}: the bucket {missing!r} does not exist on {os.environ['AWS_ENDPOINT_URL']}"
+        ], said
+
+
 def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(s3_server: storage_server.Server) -> None:
     server = s3_server
     assert storage_server.start(server.folder) == server  # a second start finds it running
