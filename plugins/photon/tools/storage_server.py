@@ -98,26 +98,6 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _ports(folder: Path) -> dict[str, int]:
-    """The ports the folder's last server had, if every one is free again (a server that stopped or died comes back
-    where its clients look for it: the endpoint in their environment stays right); else new free ones."""
-    try:
-        last = {str(k): int(v) for k, v in json.loads((folder / "server.json").read_text())["ports"].items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        last = {}
-    if set(last) == set(PORTS):
-        try:
-            for port in last.values():
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own listen does
-                    s.bind(("127.0.0.1", port))
-        except OSError:  # taken meanwhile by another process
-            pass
-        else:
-            return last
-    return dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
-
-
 def _credentials(folder: Path) -> tuple[str, str]:
     key = secret_file(folder / "access-key", lambda: "photon" + secrets.token_hex(8))
     secret = secret_file(folder / "secret-key", lambda: secrets.token_urlsafe(30))
@@ -198,7 +178,7 @@ def _start(folder: Path) -> Server:
     }
     config = folder / "s3.json"
     secret_file(config, lambda: json.dumps(identity), replace=True)
-    ports = _ports(folder)
+    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
     cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     cmd += ["-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={config}"]
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
