@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
 from photon.spark_session import is_remote
-from photon.storage import Entry, Store
+from photon.storage import Entry, StorageError, Store
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +170,21 @@ class BatchRunner:
         # A log file's size as listed (its path is the task's to open); a retry set's file's as listed
         sizes = [self.discovery.sizes.get((k, rel), 0) if not p else self._sizes.get(p, 0) for k, p, rel in sources]
         groups = balanced_groups(sizes, self.parallelism)
-        return (
-            self._tasks(len(groups))
-            .mapInArrow(_source_task(t, sources, groups), from_arrow_schema(CANDIDATE))
-            .repartition(self.parallelism, "click_id")
-            .mapInArrow(_join_task(t), from_arrow_schema(JOIN_TASK))
-            .collect()
-        )
+        try:
+            return (
+                self._tasks(len(groups))
+                .mapInArrow(_source_task(t, sources, groups), from_arrow_schema(CANDIDATE))
+                .repartition(self.parallelism, "click_id")
+                .mapInArrow(_join_task(t), from_arrow_schema(JOIN_TASK))
+                .collect()
+            )
+        except Exception as exc:
+            # An object store that failed in a task: the batch fails (nothing committed) with the store's one line,
+            # not Spark's page of both stacks (Spark hands a worker's exception over as its text).
+            found = _STORE_FAILED.search(str(exc))
+            if found:
+                raise StorageError(found.group(1).strip()) from None
+            raise
 
     def _tasks(self, n: int) -> Any:
         """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
@@ -253,6 +262,9 @@ class BatchRunner:
 
         publish_files(self.root, self.pipeline, k, epoch, crash_point)
         self.state.mark_published(k)
+
+
+_STORE_FAILED = re.compile(r"photon\.storage\.(?:StorageError|NotFoundError): ([^\n]+)")
 
 
 def balanced_groups(sizes: list[int], n: int) -> list[list[int]]:
