@@ -890,7 +890,9 @@ def spark_up(
     folder: SparkFolder = None,
 ) -> None:
     """Start a Spark standalone cluster on this machine (or find it running): a master and workers from the pyspark
-    wheel, on 127.0.0.1, each a process of its own; they run until `photon spark down`."""
+    wheel, on 127.0.0.1, each a process of its own; they run until `photon spark down`. Workers that died under a
+    live master are started again as they were (running joins carry on). Executors read an object store with the
+    AWS_* variables of the environment this runs in."""
     from photon.tools.spark_cluster import start
 
     _say_cluster(start(_spark_folder(folder), workers=workers, cores=cores, memory=memory))

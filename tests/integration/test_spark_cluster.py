@@ -30,8 +30,9 @@ def photon(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_up_status_down_and_a_worker_killed(tmp_path: Path) -> None:
     """Up: a master and two workers, each worker in a folder of its own, all on loopback; status says so (JSON for
-    scripts); a SIGKILLed worker makes the cluster not running (exit 1), and the next up stops what is left and starts
-    it anew; down leaves no process behind, and a second down says there was none."""
+    scripts); a SIGKILLed worker makes the cluster not running (exit 1), and the next up starts that worker again under
+    the same master; a SIGKILLed master, and the next up stops what is left and starts anew; down leaves no process
+    behind, and a second down says there was none."""
     folder = tmp_path / "spark"
     try:
         up = photon("spark", "up", "--folder", str(folder))
@@ -54,12 +55,23 @@ def test_up_status_down_and_a_worker_killed(tmp_path: Path) -> None:
             time.sleep(0.2)
         status = photon("spark", "status", "--folder", str(folder))
         assert status.returncode == 1 and "no Spark cluster runs" in status.stdout, status.stdout
+        # Up again: the dead worker alone starts again, as it was (the master and the other worker keep running).
+        revived = photon("spark", "up", "--folder", str(folder))
+        assert revived.returncode == 0 and "a master and 2 worker(s)" in revived.stdout, revived.stderr
+        back = spark_cluster.running(folder)
+        assert back is not None and back.master_url == first.master_url and back.state()["aliveworkers"] == 2
+        assert back.processes[:2] == first.processes[:2] and back.processes[2]["pid"] != first.processes[2]["pid"]
+        assert back.processes[2]["argv"] == first.processes[2]["argv"]
+
+        os.kill(first.processes[0]["pid"], signal.SIGKILL)  # the master dies: the next up starts anew
+        while spark_cluster.running(folder) is not None and time.monotonic() < deadline + 10:
+            time.sleep(0.2)
         again = photon("spark", "up", "--folder", str(folder), "--workers", "1")
         assert again.returncode == 0 and "a master and 1 worker(s)" in again.stdout, again.stderr
         second = spark_cluster.running(folder)
         assert second is not None and second.master_url != first.master_url
-        # The old master and worker were stopped, not left running (here nobody reaps them: a zombie is not alive).
-        assert not [p for p in first.processes if alive(p["pid"], p["created"])]
+        # The old workers were stopped, not left running (here nobody reaps them: a zombie is not alive).
+        assert not [p for p in back.processes if alive(p["pid"], p["created"])]
 
         down = photon("spark", "down", "--folder", str(folder))
         assert down.returncode == 0 and "stopped" in down.stdout, down.stderr

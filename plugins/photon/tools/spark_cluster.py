@@ -60,10 +60,12 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).parent
 
 
-def _env() -> dict[str, str]:
-    # Loopback only, this Python for the executors' Python workers.
+def _env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    # Loopback only, this Python for the executors' Python workers. The executors read the object store with the
+    # standard AWS variables of this environment (or ``extra``'s): never from the driver.
     return {
         **os.environ,
+        **(extra or {}),
         "SPARK_HOME": str(spark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
@@ -87,9 +89,13 @@ def running(folder: Path) -> Cluster | None:
     return cluster if procs and all(_ours(p, folder) for p in cluster.processes) else None
 
 
-def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> Cluster:
-    """Start the cluster of ``folder`` (or return the one running). Two starts at once take turns; a start that fails
-    or is interrupted stops what it started; a cluster left half alive (a worker died) is stopped and started anew."""
+def start(
+    folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g", env: Mapping[str, str] | None = None
+) -> Cluster:
+    """Start the cluster of ``folder`` (or return the one running), its processes with this environment and ``env``.
+    Two starts at once take turns; a start that fails or is interrupted stops what it started. Workers that died
+    under a live master are started again as they were (the master's applications carry on: their executors come
+    back on them); a cluster whose master died is stopped and started anew."""
     if workers < 1 or cores < 1:
         raise SparkClusterError("a cluster needs at least one worker of at least one core")
     m = MEMORY.fullmatch(memory)
@@ -97,11 +103,11 @@ def start(folder: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g")
         raise SparkClusterError(f"memory {memory!r}: at least 512m, in Spark's notation (512m, 2g)")
     folder = folder.resolve()
     with _locked(folder, create=True), _interrupted_once():
-        found = running(folder)
+        found = running(folder) or _revive(folder, env)
         if found is not None:
             return found
-        _stop_listed(folder, 0.0)  # whatever is left of a cluster of which a process died
-        return _start(folder, workers, cores, memory)
+        _stop_listed(folder, 0.0)  # whatever is left of a cluster whose master died
+        return _start(folder, workers, cores, memory, env)
 
 
 @contextlib.contextmanager
@@ -144,11 +150,10 @@ def _interrupted_once() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
+def _start(folder: Path, workers: int, cores: int, memory: str, env: Mapping[str, str] | None) -> Cluster:
     spark_class = str(spark_home() / "bin" / "spark-class")
     port, ui, *worker_ui = free_ports(2 + workers)
     master_url = f"spark://127.0.0.1:{port}"
-    logs = folder / "logs"
     master = [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port)]
     commands = [("master", [*master, "--webui-port", str(ui)])]
     for n in range(workers):
@@ -161,53 +166,14 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
     started: list[subprocess.Popen[bytes]] = []  # this start's children: their pids are theirs until reaped
     info = {"master_url": master_url, "ui_port": ui, "processes": processes}
     try:
-        for path in (logs, *(folder / role for role, _ in commands[1:])):
+        for path in (folder / "logs", *(folder / role for role, _ in commands[1:])):
             path.mkdir(exist_ok=True)
         for role, argv in commands:
-            # An interrupt between the fork and the record would leave a process nothing names: held until it is
-            # named in cluster.json (before it answers, so that `photon spark down` can always find it).
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            try:
-                with open(logs / f"{role}.log", "wb") as log:  # this start's: its reason is not an old one
-                    proc = subprocess.Popen(
-                        argv,
-                        env=_env(),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        cwd=folder,
-                        # The child would inherit the held signals: Spark's threads with SIGINT and SIGTERM blocked.
-                        preexec_fn=partial(signal.pthread_sigmask, signal.SIG_SETMASK, held),
-                    )
-                started.append(proc)
-                processes.append({"role": role, "pid": proc.pid, "created": psutil.Process(proc.pid).create_time()})
-                _write_json(folder / "cluster.json", info)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        cluster = Cluster(folder, master_url, ui, processes)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            dead = [p["role"] for p, proc in zip(processes, started, strict=True) if proc.poll() is not None]
-            if dead:
-                said = _last_line(logs / f"{dead[0]}.log")
-                raise SparkClusterError(f"the Spark cluster's {', '.join(dead)} exited at start: {said} (logs {logs})")
-            with contextlib.suppress(OSError, ValueError):
-                if cluster.state().get("aliveworkers", 0) >= workers:
-                    return cluster
-            if time.monotonic() > deadline:
-                raise SparkClusterError(
-                    f"the Spark cluster did not have {workers} worker(s) alive after {START_TIMEOUT_S:.0f} s "
-                    f"(logs {logs})"
-                )
-            time.sleep(0.5)
+            processes.append({"role": role, "argv": argv})
+            _spawn(folder, info, len(processes) - 1, env, started)
+        return _wait(Cluster(folder, master_url, ui, processes), workers, started)
     except BaseException as exc:
-        # (A second signal cannot interrupt this: _interrupted_once swallows it.)
-        for proc in reversed(started):  # by the child itself: one that has not exec'd Spark yet is stopped too
-            kill_group(proc.pid, 0.0)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
-        _stop_strays(folder)
+        _undo(folder, started)
         with contextlib.suppress(OSError):  # missing, or a folder of that name (the start's error says)
             (folder / "cluster.json").unlink()
         if isinstance(exc, OSError):
@@ -215,23 +181,120 @@ def _start(folder: Path, workers: int, cores: int, memory: str) -> Cluster:
         raise
 
 
-def _strays(folder: Path) -> list[psutil.Process]:
+def _revive(folder: Path, env: Mapping[str, str] | None) -> Cluster | None:
+    """Start the dead workers of a cluster whose master is alive again, each with its recorded command (its folder,
+    cores, memory and ports); None if the master is not alive (or the record predates the commands)."""
+    try:
+        info = json.loads((folder / "cluster.json").read_text())
+        processes = list(info["processes"])
+        cluster = Cluster(folder, str(info["master_url"]), int(info["ui_port"]), processes)
+        if not processes or processes[0]["role"] != "master" or not all(p.get("argv") for p in processes):
+            return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not _ours(processes[0], folder):
+        return None
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, p in enumerate(processes):
+            if not _ours(p, folder):
+                _spawn(folder, info, i, env, started)
+        return _wait(cluster, len(processes) - 1, started)
+    except BaseException as exc:
+        _undo(folder, started)  # the workers this revival started; the master and the live ones keep running
+        if isinstance(exc, OSError):
+            raise SparkClusterError(f"{exc.filename or folder}: {exc.strerror or exc}") from None
+        raise
+
+
+def _spawn(
+    folder: Path,
+    info: dict[str, Any],
+    i: int,
+    env: Mapping[str, str] | None,
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    """Start process ``i`` of ``info["processes"]`` (its role and argv) and record its pid and start time."""
+    p = info["processes"][i]
+    # An interrupt between the fork and the record would leave a process nothing names: held until it is named in
+    # cluster.json (before it answers, so that `photon spark down` can always find it).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        with open(folder / "logs" / f"{p['role']}.log", "wb") as log:  # this start's: its reason is not an old one
+            proc = subprocess.Popen(
+                p["argv"],
+                env=_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=folder,
+                # The child would inherit the held signals: Spark's threads with SIGINT and SIGTERM blocked.
+                preexec_fn=partial(signal.pthread_sigmask, signal.SIG_SETMASK, held),
+            )
+        started.append(proc)
+        p |= {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}
+        _write_json(folder / "cluster.json", info)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _wait(cluster: Cluster, workers: int, started: list[subprocess.Popen[bytes]]) -> Cluster:
+    """Wait until the master counts ``workers`` workers alive; a process of this start that exits fails it."""
+    logs = cluster.folder / "logs"
+    roles = {p["pid"]: p["role"] for p in cluster.processes}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        dead = [roles[proc.pid] for proc in started if proc.poll() is not None]
+        if dead:
+            said = _last_line(logs / f"{dead[0]}.log")
+            raise SparkClusterError(f"the Spark cluster's {', '.join(dead)} exited at start: {said} (logs {logs})")
+        with contextlib.suppress(OSError, ValueError):
+            if cluster.state().get("aliveworkers", 0) >= workers:
+                return cluster
+        if time.monotonic() > deadline:
+            raise SparkClusterError(
+                f"the Spark cluster did not have {workers} worker(s) alive after {START_TIMEOUT_S:.0f} s (logs {logs})"
+            )
+        time.sleep(0.5)
+
+
+def _undo(folder: Path, started: list[subprocess.Popen[bytes]]) -> None:
+    """Stop what a failed or interrupted start started (a second signal cannot interrupt this: _interrupted_once
+    swallows it)."""
+    for proc in reversed(started):  # by the child itself: one that has not exec'd Spark yet is stopped too
+        kill_group(proc.pid, 0.0)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+    _stop_strays(folder, keep=_listed_alive(folder))  # a revival's: the master and live workers keep running
+
+
+def _strays(folder: Path, keep: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """Spark masters and workers running in ``folder`` (each is started there) that cluster.json may not name: an
-    `up` SIGKILLed between a fork and its record leaves one."""
+    `up` SIGKILLed between a fork and its record leaves one. Not those in ``keep``."""
     found = []
     for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["cwd"] != str(folder):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["cwd"] != str(folder) or proc.pid in keep:
             continue
         if any(a.startswith("org.apache.spark.deploy.") for a in proc.info["cmdline"] or []):
             found.append(proc)
     return found
 
 
-def _stop_strays(folder: Path, grace_s: float = 0.0) -> bool:
-    strays = _strays(folder)
+def _stop_strays(folder: Path, grace_s: float = 0.0, keep: frozenset[int] = frozenset()) -> bool:
+    strays = _strays(folder, keep)
     for proc in strays:
         kill_group(proc.pid, grace_s)
     return bool(strays)
+
+
+def _listed_alive(folder: Path) -> frozenset[int]:
+    """The pids of the processes cluster.json names that are alive and its own."""
+    try:
+        processes = json.loads((folder / "cluster.json").read_text())["processes"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return frozenset()
+    return frozenset(int(p["pid"]) for p in processes if _ours(p, folder))
 
 
 def _write_json(path: Path, value: Any) -> None:
