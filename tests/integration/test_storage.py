@@ -242,7 +242,7 @@ def test_photon_storage_up_status_down_keeps_the_key_off_the_terminal_and_the_da
 ) -> None:
     """`photon storage up|status|down` as a user runs them: the AWS variables reach a shell only through env.sh (mode
     600), never stdout or stderr; an object written through them is there after a stop and a new start (the second
-    start reuses the key); status says whether the server runs (exit 1 when not); errors are one line."""
+    start reuses the key and the endpoint); status says whether the server runs (exit 1 when not); errors are one line."""
     folder = tmp_path / "storage"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = f"{ROOT / 'plugins'}:{ROOT}"
@@ -285,6 +285,7 @@ def test_photon_storage_up_status_down_keeps_the_key_off_the_terminal_and_the_da
             if line.startswith("AWS_")
         )
         assert aws2["AWS_SECRET_ACCESS_KEY"] == aws["AWS_SECRET_ACCESS_KEY"]  # the same key after a restart
+        assert aws2["AWS_ENDPOINT_URL"] == aws["AWS_ENDPOINT_URL"]  # and the same endpoint (its port was free)
         read = "from photon.storage import open_store; print(open_store('s3://joined/p').get('a/b.txt').decode())"
         got = subprocess.run([sys.executable, "-c", read], env=env | aws2, capture_output=True, text=True, timeout=60)
         assert got.stdout.strip() == "kept", got.stdout + got.stderr

