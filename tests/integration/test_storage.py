@@ -242,7 +242,8 @@ def test_photon_storage_up_status_down_keeps_the_key_off_the_terminal_and_the_da
 ) -> None:
     """`photon storage up|status|down` as a user runs them: the AWS variables reach a shell only through env.sh (mode
     600), never stdout or stderr; an object written through them is there after a stop and a new start (the second
-    start reuses the key and the endpoint); status says whether the server runs (exit 1 when not); errors are one line."""
+    start reuses the key and the endpoint); status says whether the server runs (exit 1 when not); errors are one
+    line."""
     folder = tmp_path / "storage"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = f"{ROOT / 'plugins'}:{ROOT}"
