@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from photon.durable import fsync_dir, make_dirs
 
 if TYPE_CHECKING:
-    from obstore.store import S3Config
+    from obstore.store import RetryConfig, S3Config
 
 
 class StorageError(OSError):
@@ -379,7 +379,7 @@ class S3Store:
                 bucket,
                 prefix=self.prefix or None,
                 config=cast("S3Config", config) or None,
-                retry_config={"max_retries": 10, "retry_timeout": timedelta(seconds=_retry_s())},
+                retry_config=cast("RetryConfig", _retry_config()),
             )
         except StorageError:
             raise
@@ -580,7 +580,7 @@ class S3Store:
 
     def delta_location(self, key: str) -> tuple[str, dict[str, str]]:
         options = {k: v for k, v in self._config.items()}
-        options |= {"max_retries": "10", "retry_timeout": f"{max(1, round(_retry_s()))}s"}  # as this client's
+        options |= _retry_options()  # as this client's
         # The standard variables, as obstore reads them (deltalake's own reading of the environment differs)
         for name in (
             "AWS_ENDPOINT_URL",
@@ -636,6 +636,29 @@ def _retry_s() -> float:
     from photon.settings import load_settings  # the settings module reads the environment: at use, not at import
 
     return load_settings().storage_retry_s
+
+
+# A failed request is retried until the budget (PHOTON_STORAGE_RETRY_S) is spent, not for a count: with the client's
+# default of 10 retries and its jittered backoff from 100 ms, a refused connection (a store restarting) gave up after
+# 1.5 s. The pause between tries grows to 2 s at most, so a store back within the budget is found within 2 s.
+MAX_BACKOFF_S = 2.0
+MAX_RETRIES = 10_000  # never the bound: the budget is
+
+
+def _retry_config() -> dict[str, Any]:
+    """obstore's retry configuration (a ``RetryConfig``)."""
+    backoff = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=MAX_BACKOFF_S)}
+    return {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=_retry_s()), "backoff": backoff}
+
+
+def _retry_options() -> dict[str, str]:
+    """The same for deltalake, as its storage options."""
+    return {
+        "max_retries": str(MAX_RETRIES),
+        "retry_timeout": f"{max(1, round(_retry_s()))}s",
+        "backoff_config.init_backoff": "100ms",
+        "backoff_config.max_backoff": f"{MAX_BACKOFF_S:g}s",
+    }
 
 
 def open_store(url: str | Path, options: Mapping[str, str] | None = None) -> Store:

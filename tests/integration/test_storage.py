@@ -155,6 +155,49 @@ def test_errors_are_one_line_and_name_the_store_never_the_secret(bucket: str, mo
         open_store("gs://bucket/x")
 
 
+def test_a_store_back_within_the_retry_budget_is_found_by_obstore_and_deltalake_alike(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server SIGKILLed and back 6 s later, on its endpoint: a read and a Delta table's read made meanwhile
+    succeed within the budget (PHOTON_STORAGE_RETRY_S, 20 s here). Found in the cluster test: with obstore's default
+    count of 10 retries, a refused connection gave up after 1.5 s whatever the budget. (And `stop --hard` returned
+    while the killed server could still answer: the table's read was served before it died.)"""
+    import threading
+
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "20")
+    store = open_store(f"s3://{bucket}/p")
+    store.put("kept", b"kept")
+    uri, options = store.delta_location("table")
+    write_deltalake(uri, pa.table({"x": [1, 2]}), storage_options=options)
+    restarted: list[str] = []
+
+    def restart_in_6_s() -> threading.Thread:
+        storage_server.stop(s3_server.folder, hard=True)
+        def up() -> None:
+            try:
+                restarted.append(storage_server.start(s3_server.folder).endpoint)
+            except BaseException as exc:
+                restarted.append(repr(exc))
+
+        back = threading.Timer(6.0, up)
+        back.start()
+        return back
+
+    back = restart_in_6_s()
+    try:
+        assert open_store(f"s3://{bucket}/p").get("kept") == b"kept"
+        back.join()
+        back = restart_in_6_s()
+        assert DeltaTable(uri, storage_options=options).to_pyarrow_table()["x"].to_pylist() == [1, 2]
+        assert restarted == [s3_server.endpoint] * 2  # both reads waited for their restart
+    finally:
+        back.join()
+        storage_server.start(s3_server.folder)
+
+
 def test_photon_join_refuses_a_bucket_that_does_not_exist_saying_so_in_one_line(bucket: str, tmp_path: Path) -> None:
     """Newcomer walk: a missing bucket was one line ending in a cut-off "404 Not Found: <?xml ..." that never said
     the bucket was missing. For --out and --logs alike, before any registry or Spark start."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+KILL_WAIT_S = 10.0  # for a SIGKILLed process to be gone
 REGION = "us-east-1"
 # weed mini's listeners: each on a free port of its own (the defaults collide between two servers, and with whatever
 # else runs on 8333, 8888, 9333, ...). Iceberg and Lance catalogs are off (port 0).
@@ -303,6 +304,16 @@ def kill_group(pid: int, grace_s: float = STOP_GRACE_S) -> None:
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    # Stopped means stopped: a SIGKILLed server can still answer for a moment (caught inside an fsync, it served a
+    # whole Delta table read after `stop --hard` had returned).
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        if not alive(pid):
+            return
+        time.sleep(0.02)
 
 
 def stop(folder: Path, *, hard: bool = False) -> bool:
