@@ -176,6 +176,7 @@ def test_a_store_back_within_the_retry_budget_is_found_by_obstore_and_deltalake_
 
     def restart_in_6_s() -> threading.Thread:
         storage_server.stop(s3_server.folder, hard=True)
+
         def up() -> None:
             try:
                 restarted.append(storage_server.start(s3_server.folder).endpoint)
