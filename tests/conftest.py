@@ -155,6 +155,7 @@ SLOW_FIRST = (
     "tests/integration/test_quiet_output.py",  # 36 s and 23 s (a join task through spark-submit; a join)
     "tests/integration/test_verify_safety.py::test_the_surviving_data_center",  # 51 s, 44 s
     "tests/integration/test_reshard.py::test_reshard_4_to_12",  # 70 s
+    "tests/integration/test_object_store_cluster.py",  # 124 s alone: a Spark cluster, two pipelines, three leases
     "tests/integration/test_object_store_output.py",  # 80 s and 53 s: a Spark start per pipeline process
     "tests/integration/test_readme_walk.py::test_a_newcomer_pastes_the_first_run",  # 45 s: two pasted joins
     "tests/integration/test_audit.py::test_logs_mode",  # 77 s with its fixture
