@@ -192,6 +192,8 @@ bench-handover-airflow: setup
 # Its temporary folder is removed once the run passed (CHAOS_ARGS="--keep" keeps it; a failed run's stays).
 # CHAOS_ARGS="--registry cluster": the registry on the local three-node Patroni cluster instead, its primary lost
 # (SIGKILL, a standby promoted) and the old one rejoining where the single server would be stopped hard.
+# CHAOS_ARGS="--storage s3": logs, output tables and state in a bucket of a local S3 server, which is SIGKILLed and
+# started again (store_restart; some outages past the requests' retry budget).
 SEED ?= 1
 SECONDS ?= 300
 chaos: setup

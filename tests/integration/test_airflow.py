@@ -440,16 +440,50 @@ def test_registry_gc_dag_frees_old_rows(env: Any) -> None:
 
 
 @pytest.mark.usefixtures("as_components")
-def test_verify_recover_dag_clears_committed_tokens(env: Any) -> None:
+def test_verify_recover_dag_clears_committed_tokens_with_logs_and_output_in_a_bucket(
+    env: Any,
+    s3_server: Any,
+    bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The join and verify DAGs on s3:// Variables, the store's key only in the ``photon_storage`` connection (no
+    AWS variable in the worker's environment): the join task's job gets it in its environment, never on its command
+    line, and the verify task opens the bucket with it."""
+    from photon.storage import S3Store
+
+    aws = s3_server.env()
+    logs, out = f"s3://{bucket}/logs", f"s3://{bucket}/out"
     start = (int(time.time()) - 600) * US
-    generate(GeneratorSettings(events_per_s=600, dcs=("dc-a",)), env.logs, start_us=start, end_us=start + 10 * US)
-    assert task_states(dagbag().dags["photon_join_dc_a"].test(run_conf={"lease_s": 10})) == {"joiner_lease": "success"}
+    generate(
+        GeneratorSettings(events_per_s=600, dcs=("dc-a",)), logs, start_us=start, end_us=start + 10 * US,
+        manifest=tmp_path / "manifest",
+    )  # fmt: skip
+    connection = {
+        "conn_type": "aws",
+        "login": aws["AWS_ACCESS_KEY_ID"],
+        "password": aws["AWS_SECRET_ACCESS_KEY"],
+        "extra": {"endpoint_url": aws["AWS_ENDPOINT_URL"], "region_name": aws["AWS_REGION"]},
+    }
+    monkeypatch.setenv(conn_env("photon_storage"), json.dumps(connection))
+    monkeypatch.setenv("AIRFLOW_VAR_PHOTON_LOGS", logs)
+    monkeypatch.setenv("AIRFLOW_VAR_PHOTON_OUT", out)
+    for name in aws:
+        monkeypatch.delenv(name, raising=False)
+    run = dagbag().dags["photon_join_dc_a"].test(run_conf={"lease_s": 10})
+    assert task_states(run) == {"joiner_lease": "success"}
     run = dagbag().dags["photon_verify_recover"].test(run_conf={"grace_s": 600})
     assert task_states(run) == {"verify_and_recover": "success"}
     from photon.recovery.verify import verify_and_recover
 
-    again = verify_and_recover({"main": env.registry}, env.out, env.logs, dry_run=True)
+    options = {k.lower(): v for k, v in aws.items()}
+    stores = S3Store(out, options), S3Store(logs, options)
+    assert list(stores[0].listing("dc-a/joined"))  # the lease wrote its output into the bucket
+    again = verify_and_recover({"main": env.registry}, *stores, dry_run=True)
     assert again.checked == 0  # the DAG's run cleared every committed click's token
+    said = capfd.readouterr()
+    assert "spark-submit" in said.out + said.err and aws["AWS_SECRET_ACCESS_KEY"] not in said.out + said.err
 
 
 @pytest.mark.usefixtures("as_components")

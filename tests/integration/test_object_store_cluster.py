@@ -1,14 +1,15 @@
 """Both data centers' pipelines on a Spark standalone cluster (a master and two workers, as `photon spark up` starts
 them), sharing nothing with the drivers but the S3 bucket and the registry: the tasks get URLs, the executors read
 and write the bucket with their own environment's credentials, each worker runs in a folder of its own. Over live
-logs written into the bucket meanwhile, a worker is SIGKILLed with its executors mid-run and started again, then the
-S3 server is SIGKILLed and started again on its endpoint; the leases ride through both. Then a drain, the verifier
-and the audit: every click of the manifest once, over both data centers. The checks read the bucket with deltalake
-directly, and the audit."""
+logs written into the bucket meanwhile, a worker is SIGKILLed with its executor while a task runs and started again,
+then the S3 server is SIGKILLed and started again on its endpoint; the leases ride through both and go on until every
+click is decided. Then the verifier and the audit: every click of the manifest once, over both data centers. The
+checks read the bucket with deltalake directly, and the audit."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -47,28 +47,24 @@ def committed(dsn: str) -> dict[str, int]:
 
 def wait_for_batches(dsn: str, after: dict[str, int], more: int, leases: list[subprocess.Popen[str]]) -> None:
     """Until each pipeline has committed ``more`` batches past ``after`` (its leases still running)."""
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while any(committed(dsn).get(dc, 0) < after.get(dc, 0) + more for dc in DCS):
         dead = [p.args for p in leases if p.poll() is not None]
         assert not dead and time.monotonic() < deadline, (dead, committed(dsn), after)
         time.sleep(0.2)
 
 
-def wait_until_busy(pid: int) -> None:
-    """Until a task runs in an executor of worker ``pid``: a Python worker under it is using CPU (a batch's tasks
-    take a fraction of its 1-3 s; polled every 20 ms)."""
-    deadline = time.monotonic() + 60
-    seen: dict[int, float] = {}
+def wait_until_busy(work: Path) -> None:
+    """Until a task runs in an executor of the worker whose folder is ``work``: its log says the task started and not
+    yet that it finished (a batch's tasks take a fraction of its 1-3 s; polled every 10 ms)."""
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for proc in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "python" in proc.name():
-                    cpu = sum(proc.cpu_times()[:2])
-                    if proc.pid in seen and cpu > seen[proc.pid]:
-                        return
-                    seen[proc.pid] = cpu
-        time.sleep(0.02)
-    raise AssertionError("no task ran on the worker for 60 s")
+        for log in work.glob("app-*/*/stderr"):
+            with contextlib.suppress(OSError):
+                if in_flight(log.read_text(errors="replace")):
+                    return
+        time.sleep(0.01)
+    raise AssertionError("no task ran on the worker for 120 s")
 
 
 def in_flight(executor_log: str) -> set[str]:
@@ -91,14 +87,15 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
     init_registry({"main": admin}, num_shards=4)
     code = {"PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
     # The workers' environment: the project's code and the store's credentials, nothing of any driver's.
-    cluster = spark_cluster.start(folder, workers=2, cores=2, memory="2g", env={**code, **s3_server.env()})
+    cluster = spark_cluster.start(folder, workers=2, cores=1, memory="1g", env={**code, **s3_server.env()})
     try:
         env = {**os.environ, **code, **s3_server.env(), "TMPDIR": str(drivers)}
         env["PHOTON_REGISTRY_DSN"] = login_as(admin, "photon_joiner")
         env["PYTHONUNBUFFERED"] = "1"  # the lease lines as they are printed
-        # Each application one executor of one core on each worker: the two pipelines side by side, and a lost
-        # worker takes an executor of each.
-        env["PYSPARK_SUBMIT_ARGS"] = "--conf spark.cores.max=2 --conf spark.executor.cores=1 pyspark-shell"
+        # Each application one executor of one core: the two pipelines side by side, one on each worker (a lost
+        # worker leaves its application without an executor until it is back).
+        cap = "--conf spark.cores.max=1 --conf spark.executor.cores=1 --conf spark.executor.memory=600m"
+        env["PYSPARK_SUBMIT_ARGS"] = f"{cap} pyspark-shell"
 
         files: dict[int, Path] = {}
 
@@ -117,38 +114,42 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             p.wait(timeout=300)
             return files[p.pid].with_suffix(".out").read_text(), files[p.pid].with_suffix(".err").read_text()
 
-        # Live logs: each replica's files land in the bucket at their arrival times while the leases join them (no
-        # file shipped minutes late: the writer would run for minutes); some queries never logged, so that clicks
-        # wait in the retry sets in the bucket.
-        settings = GeneratorSettings(
-            events_per_s=200, dcs=DCS, lost_query_fraction=0.05, max_join_delay_s=20, late_query_file_fraction=0.0,
-            late_click_fraction=0.0,
-        )  # fmt: skip
-        failed: list[BaseException] = []
+        # Live logs: each replica's files land in the bucket at their arrival times while the leases join them, in
+        # runs of 8 s until the faults are over (a loaded machine stretches each phase); no file shipped minutes late;
+        # some queries never logged, so that clicks wait in the retry sets in the bucket.
+        stop, failed = threading.Event(), []
 
-        def write_logs(start: int) -> None:
+        def write_logs() -> None:
             try:
-                generate(settings, logs.url, start_us=start, end_us=start + 45 * US, manifest=manifest, live=True)
+                for seed in itertools.count(1):
+                    if stop.is_set():
+                        return
+                    settings = GeneratorSettings(
+                        events_per_s=150, dcs=DCS, lost_query_fraction=0.05, max_join_delay_s=20,
+                        late_query_file_fraction=0.0, late_click_fraction=0.0, seed=seed,
+                    )  # fmt: skip
+                    now = int(time.time()) * US
+                    generate(settings, logs.url, start_us=now, end_us=now + 8 * US, manifest=manifest, live=True)
             except BaseException as exc:
                 failed.append(exc)
 
         # Leases as long as the test needs (an application's start and first batch on the cluster take 20-60 s):
         # each phase waits for batches committed, and SIGTERM ends them (the batch in flight commits).
         leases = [join(dc, "--run-for", "900") for dc in DCS]
+        writer = threading.Thread(target=write_logs, daemon=True)
         try:
             # The logs start once both leases run on the cluster (each has printed its lease).
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + 300
             while not all("lease epoch" in files[p.pid].with_suffix(".out").read_text() for p in leases):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in leases), "no lease started"
                 time.sleep(0.2)
-            writer = threading.Thread(target=write_logs, args=(int(time.time()) * US,), daemon=True)
             writer.start()
             wait_for_batches(admin, {}, 2, leases)
-            # A worker lost with its executors (its whole process group: the machine gone), mid-run.
+            # A worker lost with its executor (its whole process group: the machine gone), while a task runs.
             worker = cluster.processes[2]
-            wait_until_busy(worker["pid"])
+            wait_until_busy(folder / "worker-2")
             os.killpg(worker["pid"], signal.SIGKILL)
-            killed = list((folder / "worker-2").glob("app-*/*/stderr"))  # the lost executors' logs
+            killed = list((folder / "worker-2").glob("app-*/*/stderr"))  # the lost executor's log
             before = committed(admin)
             time.sleep(2.0)
             back = spark_cluster.start(folder, env={**code, **s3_server.env()})
@@ -159,12 +160,20 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             time.sleep(3.0)
             assert storage_server.start(s3_server.folder).endpoint == s3_server.endpoint
             wait_for_batches(admin, committed(admin), 2, leases)
+            stop.set()
             writer.join(timeout=120)
             assert not writer.is_alive() and not failed, failed
+            # The leases go on until every click of the logs is decided (its query joined, or its deadline passed),
+            # as the audit sees the bucket; then SIGTERM (the batch in flight commits, the lease is released).
+            deadline = time.monotonic() + 240
+            while not audit(out, manifest=manifest, ran=list(DCS)).ok:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in leases), "never all decided"
+                time.sleep(3.0)
             for lease in leases:
                 lease.send_signal(signal.SIGTERM)
             results = [output(lease) for lease in leases]
         finally:
+            stop.set()
             for lease in leases:
                 if lease.poll() is None:
                     lease.kill()
@@ -172,13 +181,8 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             assert lease.returncode == 143, said[-3000:] + err[-3000:]  # stopped by the signal, not failed
             assert "Traceback" not in said + err, err[-3000:]
         # The worker died under a running task (its executor's log says it started and never finished), which Spark
-        # ran again elsewhere: no batch failed.
+        # ran again once it was back: no batch failed.
         assert any(in_flight(log.read_text()) for log in killed), killed
-
-        drains = [join(dc, "--until-caught-up", "--drain") for dc in DCS]
-        drained = [output(p) for p in drains]
-        for p, (said, err) in zip(drains, drained, strict=True):
-            assert p.returncode == 0, said[-3000:] + err[-3000:]
 
         state = cluster.state()
         names = [a["name"] for a in state["completedapps"] + state["activeapps"]]
@@ -201,8 +205,8 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             for dc in DCS
         ]
     )  # fmt: skip
-    assert len(ids) == len(pc.unique(ids)) == audited.outcomes["joined"] > 300
+    assert len(ids) == len(pc.unique(ids)) == audited.outcomes["joined"] > 50
     # Nothing of the pipelines on the drivers' side: their working folder (and temporary folder) stays empty.
     assert sorted(p.name for p in drivers.iterdir()) == []
     secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"]
-    assert secret not in "".join(s + e for s, e in results + drained)
+    assert secret not in "".join(s + e for s, e in results)

@@ -197,3 +197,56 @@ def test_the_verifier_recovers_a_data_center_lost_for_good_through_the_bucket(
         for dc in ("dc-a", "dc-b")
     )
     assert joined == len(ids) == audited.outcomes["joined"], "a click joined by both data centers"
+
+
+def test_the_nemesis_checker_reads_a_bucket_as_it_reads_a_folder(
+    tmp_path: Path, s3_server: storage_server.Server, bucket: str
+) -> None:
+    """The chaos run on s3 is only as good as its checker's reading of the bucket: the same planted tables (a
+    duplicate across pipelines, a crashed batch's file named by no commit) and the same query logs, written with
+    deltalake and obstore alone into a folder and into a bucket, read the same."""
+    from deltalake import CommitProperties, Transaction, write_deltalake
+
+    from tests.nemesis import checker
+
+    env = s3_server.env()
+    options = {k.lower(): v for k, v in env.items() if k != "AWS_ALLOW_HTTP"} | {"aws_allow_http": "true"}
+    t = 1_790_000_000 * US
+    folder, url = tmp_path / "out", f"s3://{bucket}/out"
+    for where in (folder, url):
+        for pipeline, rows in (("dc-a", [("c1", 1), ("c2", 1)]), ("dc-b", [("c3", 1), ("c1", 1)])):
+            table = pa.table(
+                {
+                    "click_id": [c for c, _ in rows],
+                    "query_id": ["q"] * len(rows),
+                    "click_ts_us": [t] * len(rows),
+                    "hour": ["2026092114"] * len(rows),
+                    "batch": [b for _, b in rows],
+                }
+            )
+            write_deltalake(
+                f"{where}/{pipeline}/joined",
+                table,
+                partition_by=["hour"],
+                storage_options=None if where == folder else options,
+                commit_properties=CommitProperties(app_transactions=[Transaction(f"photon/{pipeline}", 1)]),
+            )
+    crashed = S3Store(url).child("dc-a/joined/hour=2026092114")
+    crashed.put("crashed-batch-2.parquet", crashed.get(crashed.files()[0].key))
+    (folder / "dc-a" / "joined" / "hour=2026092114" / "crashed-batch-2.parquet").write_bytes(
+        crashed.get("crashed-batch-2.parquet")
+    )
+    S3Store(url).put("_state/x", b"")  # not a pipeline
+    read = [checker._snapshots(w, "joined", "click_id", "batch") for w in (folder, url)]
+    assert read[0] == read[1] and [(p, last) for p, last, _ in read[1]] == [("dc-a", 1), ("dc-b", 1)]
+    assert checker.duplicates(folder) == checker.duplicates(url) == ["c1"]
+    line = b'{"query_id": "q9", "ts_us": 1}\n'
+    S3Store(f"s3://{bucket}/logs").put("dc-a/queries/20260921/1413/s1.jsonl", line)
+    (tmp_path / "logs" / "dc-a" / "queries" / "20260921" / "1413").mkdir(parents=True)
+    (tmp_path / "logs" / "dc-a" / "queries" / "20260921" / "1413" / "s1.jsonl").write_bytes(line)
+    arrival = {("dc-a", "queries", "20260921/1413/s1.jsonl"): 5}
+    assert (
+        checker._query_arrivals(tmp_path / "logs", "dc-a", arrival)
+        == checker._query_arrivals(f"s3://{bucket}/logs", "dc-a", arrival)
+        == {"q9": 5}
+    )

@@ -1,5 +1,7 @@
 """The nemesis's checker. It reads files only (the pipelines' Delta tables, the logs, the generator's manifest) and
-shares no code with what it checks: no ``photon`` import, its own reading of every format, from ``EVENTS.md``.
+shares no code with what it checks: no ``photon`` import, its own reading of every format, from ``EVENTS.md``. The
+output and the logs are a folder or an ``s3://bucket/prefix`` (read with deltalake and obstore directly, the
+standard AWS variables for the endpoint and the keys).
 
 - :func:`duplicates`: click ids that appear more than once across every ``joined`` table's snapshot (must be none,
   at every moment).
@@ -19,37 +21,101 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+if TYPE_CHECKING:
+    from obstore.store import S3Config
+
 US = 1_000_000
 
 
-def _tables(out: Path, kind: str) -> list[Path]:
-    """Every pipeline's ``kind`` table: a Delta table in each pipeline folder (``_*`` and ``.*`` folders are not
-    pipelines; a table not created yet holds nothing)."""
-    if not out.is_dir():
-        return []
-    folders = [out / p / kind for p in sorted(os.listdir(out)) if not p.startswith(("_", "."))]
-    return [f for f in folders if DeltaTable.is_deltatable(str(f))]
+Where = Path | str  # a folder, or an s3:// URL
 
 
-def _snapshots(out: Path, kind: str, *columns: str) -> list[tuple[str, int | None, list[tuple]]]:
+def _s3_options() -> dict[str, str]:
+    """The standard AWS variables, as deltalake and obstore take them."""
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+    options = {n.lower(): os.environ[n] for n in names if os.environ.get(n)}
+    if options.get("aws_endpoint_url", "").startswith("http://"):
+        options["aws_allow_http"] = "true"
+    return options
+
+
+def _bucket(url: str) -> tuple[Any, str]:
+    """An obstore client of ``url``'s bucket and the prefix (no trailing slash)."""
+    from obstore.store import S3Store
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return S3Store(bucket, config=cast("S3Config", _s3_options())), prefix.strip("/")
+
+
+def _folders(where: Where) -> list[str]:
+    """The names of the folders directly in ``where``."""
+    if isinstance(where, Path):
+        return sorted(p for p in os.listdir(where) if (where / p).is_dir()) if where.is_dir() else []
+    import obstore
+
+    store, prefix = _bucket(where)
+    found = obstore.list_with_delimiter(store, f"{prefix}/" if prefix else None)["common_prefixes"]
+    return sorted(str(f).rstrip("/").rpartition("/")[2] for f in found)
+
+
+def _read(where: Where, key: str) -> bytes:
+    if isinstance(where, Path):
+        return (where / key).read_bytes()
+    import obstore
+
+    store, prefix = _bucket(where)
+    return bytes(obstore.get(store, f"{prefix}/{key}" if prefix else key).bytes())
+
+
+def _keys(where: Where, under: str) -> list[str]:
+    """Every file's key under ``where/under``, relative to ``under``."""
+    if isinstance(where, Path):
+        folder = where / under
+        return [os.path.relpath(os.path.join(d, n), folder) for d, _, ns in os.walk(folder) for n in ns]
+    import obstore
+
+    store, prefix = _bucket(where)
+    base = "/".join(p for p in (prefix, under.strip("/")) if p) + "/"
+    return [str(m["path"]).removeprefix(base) for batch in obstore.list(store, base) for m in batch]
+
+
+def _tables(out: Where, kind: str) -> list[tuple[str, str]]:
+    """Every pipeline's ``kind`` table, (pipeline, table URI): a Delta table in each pipeline folder (``_*`` and
+    ``.*`` folders are not pipelines; a table not created yet holds nothing)."""
+    found = []
+    for p in _folders(out):
+        if p.startswith(("_", ".")):
+            continue
+        uri = str(out / p / kind) if isinstance(out, Path) else f"{out.rstrip('/')}/{p}/{kind}"
+        if DeltaTable.is_deltatable(uri, storage_options=_options_for(out)):
+            found.append((p, uri))
+    return found
+
+
+def _options_for(where: Where) -> dict[str, str] | None:
+    return None if isinstance(where, Path) else _s3_options()
+
+
+def _snapshots(out: Where, kind: str, *columns: str) -> list[tuple[str, int | None, list[tuple]]]:
     """Per pipeline: its name, the last batch its ``kind`` table holds (the table's transaction version for
     ``photon/<pipeline>``, EVENTS.md) and ``columns`` of every row of that same snapshot, read through the Delta log
     (never the folder's files: a crashed batch's data files are there too, named by no commit). A row that is in a
     snapshot twice is here twice."""
     found = []
-    for f in _tables(out, kind):
-        table = DeltaTable(str(f))
+    for pipeline, uri in _tables(out, kind):
+        table = DeltaTable(uri, storage_options=_options_for(out))
         t = table.to_pyarrow_dataset().to_table(columns=list(columns))
         rows = list(zip(*(t[c].to_pylist() for c in columns), strict=True))
-        found.append((f.parent.name, table.transaction_version(f"photon/{f.parent.name}"), rows))
+        found.append((pipeline, table.transaction_version(f"photon/{pipeline}"), rows))
     return found
 
 
-def _rows(out: Path, kind: str, *columns: str) -> list[tuple]:
+def _rows(out: Where, kind: str, *columns: str) -> list[tuple]:
     """``columns`` of every pipeline's ``kind`` rows, each table as of its current snapshot."""
     return [r for _, _, rows in _snapshots(out, kind, *columns) for r in rows]
 
@@ -70,7 +136,7 @@ def wrong_batches(snapshots: list[tuple[str, int | None, list[tuple]]]) -> list[
     return sorted(c for _, last, rows in snapshots for c, b in rows if b is None or not 1 <= b <= (last or 0))
 
 
-def duplicates(out: Path) -> list[str]:
+def duplicates(out: Where) -> list[str]:
     """Click ids in more than one joined row, across every pipeline's table."""
     counts = Counter(cid for (cid,) in _rows(out, "joined", "click_id"))
     return sorted(cid for cid, n in counts.items() if n > 1)
@@ -105,19 +171,16 @@ class Verdict:
         }
 
 
-def _query_arrivals(logs: Path, dc: str, arrival: dict[tuple[str, str, str], int]) -> dict[str, int]:
+def _query_arrivals(logs: Where, dc: str, arrival: dict[tuple[str, str, str], int]) -> dict[str, int]:
     """query id -> when its file reached ``dc``'s replica (the earliest, if it was logged twice)."""
     out: dict[str, int] = {}
-    folder = logs / dc / "queries"
     # Files sit in arrival partitions (<YYYYmmdd>/<HHMM>/) and are named by their path under the folder.
-    names = sorted(
-        os.path.relpath(os.path.join(d, n), folder) for d, _, ns in os.walk(folder) for n in ns if n.endswith(".jsonl")
-    )
+    names = sorted(n for n in _keys(logs, f"{dc}/queries") if n.endswith(".jsonl"))
     for name in names:
         if (dc, "queries", name) not in arrival:
             continue
         at = arrival[(dc, "queries", name)]
-        for line in (folder / name).read_bytes().split(b"\n"):
+        for line in _read(logs, f"{dc}/queries/{name}").split(b"\n"):
             try:
                 qid = json.loads(line)["query_id"]
             except (ValueError, TypeError, KeyError, UnicodeDecodeError):
@@ -127,10 +190,23 @@ def _query_arrivals(logs: Path, dc: str, arrival: dict[tuple[str, str, str], int
     return out
 
 
-def final(logs: Path, out: Path, *, lost: list[str], max_join_delay_s: float, margin_s: float) -> Verdict:
+def final(
+    logs: Where,
+    out: Where,
+    *,
+    lost: list[str],
+    max_join_delay_s: float,
+    margin_s: float,
+    manifest_dir: Path | None = None,
+) -> Verdict:
+    """The verdict once the input stopped (the module's doc); the manifest in ``logs/_manifest`` unless the logs
+    are in a bucket (``manifest_dir``: the generator's ``--manifest``)."""
     v = Verdict()
-    manifest = pq.read_table(logs / "_manifest" / "clicks.parquet").to_pylist()
-    files = pq.read_table(logs / "_manifest" / "files.parquet").to_pylist()
+    if manifest_dir is None:
+        assert isinstance(logs, Path), "logs in a bucket: name the manifest's folder"
+        manifest_dir = logs / "_manifest"
+    manifest = pq.read_table(manifest_dir / "clicks.parquet").to_pylist()
+    files = pq.read_table(manifest_dir / "files.parquet").to_pylist()
     v.clicks = len(manifest)
     snapshots = _snapshots(out, "joined", "click_id", "query_id", "click_ts_us", "hour", "batch")
     joined = [r for _, _, rows in snapshots for r in rows]

@@ -20,7 +20,12 @@ schedule drawn from the seed:
 - ``lose_dc``: one data center lost for good: its joiner killed and never restarted;
 - ``clock``: a joiner's lease replaced by one on a skewed host clock (Debian's ``faketime``): within the maximum
   clock skew it runs (its decisions follow the registry server's clock); beyond it (the survivor, after the loss,
-  as in issue 19) it must refuse at once, exit 2, and cost nothing.
+  as in issue 19) it must refuse at once, exit 2, and cost nothing;
+- ``store_restart`` (``--storage s3``: the logs, the output tables and the pipelines' state in a bucket of a local S3
+  server, SeaweedFS as `photon storage up` runs it): the S3 server SIGKILLed and started again on its endpoint
+  seconds later; most outages within the requests' retry budget (a wait), some past it (PHOTON_STORAGE_RETRY_S is
+  10 s here: the batch or lease start fails in one line and the next lease goes on). Table maintenance does not run
+  on a bucket yet, so an s3 run has none.
 
 Every component runs as a login holding only its role (on the cluster with PHOTON_REGISTRY_REPLICATION=required: the
 replication guard must pass there, before and after a failover). While the run goes, a checker that reads files only
@@ -30,6 +35,7 @@ be joined is.
 
     python -m tests.nemesis.run --seed 7 --seconds 300     (make chaos SEED=7 SECONDS=300)
     python -m tests.nemesis.run --seed 7 --seconds 120 --registry cluster
+    python -m tests.nemesis.run --seed 7 --seconds 180 --storage s3        (make chaos ... CHAOS_ARGS="--storage s3")
 
 The last line printed is a JSON object: the seed, fault counts, the checker's verdict.
 """
@@ -67,6 +73,9 @@ MAX_JOIN_DELAY_S = 20.0
 MARGIN_S = 5.0
 SKEW_S = 10.0  # PHOTON_MAX_CLOCK_SKEW_S (the default) for every process of the run
 REGISTRIES = ("embedded", "cluster")
+STORAGES = ("folder", "s3")
+STORAGE_RETRY_S = 10.0  # PHOTON_STORAGE_RETRY_S of an s3 run: some store outages outlast it
+BUCKET = "nemesis"
 PROMOTION_TIMEOUT_S = 90.0  # Patroni's ttl (20 s) and a promotion, with room for a loaded machine
 PRIMARY_LOST_WAIT_S = 30.0  # a drawn primary_lost waits this long at most for a lease's committed batch
 # Once the input has stopped, faults still owed (no kill landed yet and one waits for its lease's first batch, a lost
@@ -78,9 +87,10 @@ OWED_FAULTS_S = 120.0
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    kind: str  # kill | pg_restart | primary_lost | verify | lose_dc | clock
+    kind: str  # kill | pg_restart | primary_lost | verify | lose_dc | clock | store_restart
     target: str = ""
-    # pg_restart: seconds down; primary_lost: seconds from the promotion to the old primary's restart; verify:
+    # pg_restart, store_restart: seconds down; primary_lost: seconds from the promotion to the old primary's restart;
+    # verify:
     # SIGKILL after this many seconds (0: let it finish); clock: the host clock's offset in seconds
     arg: float = 0.0
 
@@ -100,13 +110,17 @@ class Plan:
     late_query_lag_max_s: float = 40.0  # the generator runs until its latest query file has arrived
     trigger_s: float = 0.5
     generator_set: tuple[str, ...] = ()  # more of the generator's settings, KEY=VALUE
+    storage: str = "folder"  # folder | s3: where the logs, the output and the pipelines' state are
 
 
-def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedded") -> Plan:
+def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedded", storage: str = "folder") -> Plan:
     """The schedule a seed stands for: every fault kind at least once, at random moments. On the cluster the same
-    schedule, with the primary lost where the embedded server is restarted (the draws are the same)."""
+    schedule, with the primary lost where the embedded server is restarted (the draws are the same); on s3 the same
+    schedule and the S3 server's restarts."""
     if registry not in REGISTRIES:
         raise ValueError(f"registry {registry!r}: expected one of {', '.join(REGISTRIES)}")
+    if storage not in STORAGES:
+        raise ValueError(f"storage {storage!r}: expected one of {', '.join(STORAGES)}")
     rng = random.Random(seed)
     lost = rng.choice(DCS)
     loss_at = rng.uniform(0.55, 0.75) * seconds
@@ -134,8 +148,13 @@ def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedd
     # A kill drawn for the lost data center after its loss has no lease to hit: left out of the schedule (after the
     # draws, so the rest stays as it was), not printed as a kill that never comes.
     faults = [f for f in faults if not (f.kind == "kill" and f.target == lost and f.at_s >= loss_at)]
+    if storage == "s3":  # (drawn last, from a generator of their own: the rest of the seed stays what it was)
+        srng = random.Random(seed + 4)
+        for _ in range(max(2, int(seconds // 60))):
+            down = srng.uniform(1.0, 6.0) if srng.random() < 0.75 else srng.uniform(STORAGE_RETRY_S + 2, 25.0)
+            faults.append(Fault(srng.uniform(0.15, 0.85) * seconds, "store_restart", "", down))
     faults = sorted(faults, key=lambda f: f.at_s)
-    return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, faults, registry)
+    return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, faults, registry, storage=storage)
 
 
 class EmbeddedRegistry:
@@ -291,7 +310,11 @@ class Nemesis:
         registry: EmbeddedRegistry | ClusterRegistry | None = None,
     ):
         self.p, self.work, self.spark, self.echo = p, work, spark, echo
-        self.logs, self.out = work / "logs", work / "out"
+        self.logs: Path | str = work / "logs"
+        self.out: Path | str = work / "out"
+        self.manifest = work / "logs" / "_manifest"
+        self.store_folder: Path | None = None  # the S3 server's, on s3
+        self.store_up_at: float | None = None  # when the S3 server stopped hard comes back
         self.proc_logs = work / "processes"
         self.proc_logs.mkdir(parents=True, exist_ok=True)
         if registry is None and p.registry == "cluster":
@@ -357,6 +380,43 @@ class Nemesis:
                 self.dsn[role] = psycopg2.extensions.make_dsn(owner, user=name, password=password)
         self.registry.replicated()  # the logins too
 
+    def setup_storage(self) -> None:
+        """On s3: the local S3 server and the run's bucket; the logs and the output are prefixes of it, the manifest
+        a folder of the run. Every process of the run (this one's verify passes, drains and checks too) reaches it
+        through the standard AWS variables, set in this process's environment."""
+        if self.p.storage != "s3":
+            return
+        from photon.tools import storage_server
+
+        self.store_folder = self.work / "s3"
+        server = storage_server.start(self.store_folder, (BUCKET,))
+        os.environ.update(server.env())
+        os.environ["PHOTON_STORAGE_RETRY_S"] = f"{STORAGE_RETRY_S:g}"
+        self.logs, self.out = f"s3://{BUCKET}/logs", f"s3://{BUCKET}/out"
+        self.manifest = self.work / "manifest"
+
+    def _store_restart(self, f: Fault, now: float) -> None:
+        from photon.tools import storage_server
+
+        if self.store_folder is None or self.store_up_at is not None:
+            self.outcome.faults["store_restart_skipped"] += 1
+            return
+        storage_server.stop(self.store_folder, hard=True)
+        self.store_up_at = now + f.arg
+        self.outcome.faults["store_restart"] += 1
+        self.outcome.faults["store_restart_past_budget"] += f.arg > STORAGE_RETRY_S
+
+    def _store_back(self, now: float | None) -> None:
+        """The S3 server started again once its outage is over (``now`` None: at once)."""
+        from photon.tools import storage_server
+
+        if self.store_folder is None or self.store_up_at is None or (now is not None and now < self.store_up_at):
+            return
+        endpoint = storage_server.start(self.store_folder).endpoint
+        if endpoint != os.environ["AWS_ENDPOINT_URL"]:
+            raise AssertionError(f"seed {self.p.seed}: the S3 server came back on {endpoint}, not its endpoint")
+        self.store_up_at = None
+
     def _env(self, role: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PHOTON_REGISTRY_SERVERS"}
         env |= {"PHOTON_REGISTRY_DSN": self.dsn[role], "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
@@ -406,6 +466,8 @@ class Nemesis:
         args += ["--set", f"boundary_margin_s={MARGIN_S}"]
         for setting in self.p.generator_set:
             args += ["--set", setting]
+        if self.p.storage == "s3":
+            args += ["--manifest", str(self.manifest)]
         return self._spawn("generator", args, None)
 
     def lease(
@@ -449,6 +511,8 @@ class Nemesis:
                 if m.returncode not in (0, -signal.SIGKILL):  # it found the tables wrong, or failed: never allowed
                     log = sorted(self.proc_logs.glob("*-maintain.log"))[-1]
                     raise AssertionError(f"seed {self.p.seed}: photon table maintain exited {m.returncode}: {log}")
+            return
+        if not isinstance(self.out, Path):  # table maintenance reads a folder only, so far
             return
         if now < self.maint_next_s or not self.out.is_dir():  # no pipeline has started yet: nothing to maintain
             return
@@ -508,6 +572,8 @@ class Nemesis:
             self.primary_lost_pending = f
         elif f.kind == "verify":
             self._verify(f.arg, now)
+        elif f.kind == "store_restart":
+            self._store_restart(f, now)
         elif f.kind == "clock" and f.target not in self.lost:
             # Airflow's next lease of this pipeline lands on a host with a skewed clock: within the skew, whenever
             # the current lease ends; beyond it, now (the current lease killed): it must refuse before Spark starts.
@@ -579,6 +645,11 @@ class Nemesis:
                 return
             time.sleep(0.5)
 
+    def _logs_exist(self) -> bool:
+        if isinstance(self.logs, Path):
+            return self.logs.is_dir()
+        return (self.manifest / "files.parquet").exists()  # the generator's first files are in the bucket
+
     def _start_lease(self, dc: str, clock_s: float = 0.0) -> None:
         # A quarter of the leases die publishing a batch (SIGKILL, driver and all): between its registry commit and
         # its table commits, or between the joined table's commit and the others'. The next lease, or the verifier,
@@ -586,7 +657,7 @@ class Nemesis:
         # dc-b's leases always do, in their first batch, until one has (a short seed has one too); one started before
         # the logs exist refuses at once.
         crash_at = None
-        first = dc == "dc-b" and not self.outcome.faults["died_publishing"] and self.logs.is_dir()
+        first = dc == "dc-b" and not self.outcome.faults["died_publishing"] and self._logs_exist()
         if not clock_s and (first or self.publish_rng.random() < 0.25):
             point = self.publish_rng.choice(("after_commit", "after_table_commit"))
             crash_at = self.publishing[dc] = f"{point}@+{1 if first else self.publish_rng.randint(1, 3)}"
@@ -683,12 +754,17 @@ class Nemesis:
         self.outcome.faults["kill_drawn"] = sum(1 for f in self.p.faults if f.kind == "kill")
         self.setup_registry()
         try:
+            self.setup_storage()
             self._live()
             self._finish()
         finally:
             for proc in [*self.joiners.values(), self.verifier]:
                 self.sigkill(proc)
             self.registry.stop()
+            if self.store_folder is not None:
+                from photon.tools import storage_server
+
+                storage_server.stop(self.store_folder)
         self.outcome.wall_s = round(time.monotonic() - t_wall, 1)
         return self.outcome
 
@@ -740,6 +816,7 @@ class Nemesis:
                 assert isinstance(self.registry, EmbeddedRegistry)
                 self.registry.restart()
                 self.pg_up_at = None
+            self._store_back(now)
             self._lose_primary(now)
             self._tend_failover()
             self._reap_verifier(now)
@@ -754,6 +831,7 @@ class Nemesis:
             assert isinstance(self.registry, EmbeddedRegistry)
             self.registry.restart()
             self.pg_up_at = None
+        self._store_back(None)
         self._lose_primary(time.monotonic() - t0, at_once=True)  # every drawn fault happens, under the last leases
         self._tend_failover(wait=True)
         for fo in self.failovers:
@@ -792,9 +870,10 @@ class Nemesis:
     def final_verify(self) -> dict[str, Any]:
         """One verifier pass, in this process, as the verifier's login."""
         from photon.recovery.verify import verify_and_recover
+        from photon.storage import as_store
 
         servers = {"main": self.dsn["photon_verifier"]}
-        return verify_and_recover(servers, self.out, self.logs, grace_s=self.p.grace_s).to_dict()
+        return verify_and_recover(servers, as_store(self.out), as_store(self.logs), grace_s=self.p.grace_s).to_dict()
 
     def _finish(self) -> None:
         time.sleep(self.p.grace_s + 1)  # every killed lease is now gone: the verifier fences and recovers
@@ -810,8 +889,13 @@ class Nemesis:
             self.outcome.verify["final_checked"] += r["checked"]
         # Passes killed mid-way report nothing: count what reached the logs instead (one replica's copy).
         survivor = sorted(set(DCS) - self.lost)[0]
+        from photon.storage import as_store
+
+        clicks = as_store(self.logs).child(f"{survivor}/clicks")
         self.outcome.verify["recovered_lines_in_logs"] = sum(
-            len(p.read_bytes().splitlines()) for p in (self.logs / survivor / "clicks").rglob("recovered-*.jsonl")
+            len(clicks.get(e.key).splitlines())
+            for e in clicks.listing()
+            if e.key.rpartition("/")[2].startswith("recovered-") and e.key.endswith(".jsonl")
         )
         last = reports[-1]
         self.outcome.verdict = self.verdict().summary()
@@ -821,7 +905,12 @@ class Nemesis:
     def verdict(self) -> checker.Verdict:
         """The file-only checker's verdict over the logs, the manifest and every pipeline's output."""
         return checker.final(
-            self.logs, self.out, lost=sorted(self.lost), max_join_delay_s=self.p.max_join_delay_s, margin_s=MARGIN_S
+            self.logs,
+            self.out,
+            lost=sorted(self.lost),
+            max_join_delay_s=self.p.max_join_delay_s,
+            margin_s=MARGIN_S,
+            manifest_dir=self.manifest,
         )
 
 
@@ -839,12 +928,21 @@ def main(argv: list[str] | None = None) -> int:
         help="embedded: one PostgreSQL, stopped hard (pg_restart); cluster: the local three-node Patroni cluster, "
         "its primary lost (primary_lost)",
     )
+    ap.add_argument(
+        "--storage",
+        choices=STORAGES,
+        default="folder",
+        help="folder: logs and output in the run's folder; s3: in a bucket of a local S3 server, restarted hard "
+        "(store_restart)",
+    )
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"photon-nemesis-{args.seed}-"))
-    p = plan(args.seed, args.seconds, args.rate, args.registry)
+    p = plan(args.seed, args.seconds, args.rate, args.registry, args.storage)
     if p.registry == "cluster":  # this process's own verify passes and drains are guarded too
         os.environ["PHOTON_REGISTRY_REPLICATION"] = ClusterRegistry.replication
-    print(f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, in {work}", flush=True)
+    print(
+        f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, {p.storage}, in {work}", flush=True
+    )
     for f in p.faults:
         print(f"  {f.at_s:7.1f}s {f.kind} {f.target} {f.arg:.1f}", flush=True)
     outcome: Outcome | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.nemesis.run import Fault, Nemesis, keep_work, plan
+from tests.nemesis.run import STORAGE_RETRY_S, Fault, Nemesis, keep_work, plan
 
 
 def _lease() -> subprocess.Popen[bytes]:
@@ -77,3 +77,16 @@ def test_once_the_input_stopped_an_owed_kill_lands_on_a_lease_holder_that_runs_n
     assert n.first_batch_at["dc-a"] is None and not n._kill_if_due("dc-a", again, 90.0)
     again.kill()
     again.wait()
+
+
+def test_an_s3_schedule_is_the_folder_schedule_plus_store_restarts_some_past_the_retry_budget() -> None:
+    """`--storage s3` adds the S3 server's restarts to a seed's schedule without moving any other fault (a seed keeps
+    meaning what it meant), and some of its outages outlast the requests' retry budget (the failing path)."""
+    past = 0
+    for seed in (1, 7, 11, 102, 2911501):
+        folder, s3 = plan(seed=seed, seconds=180), plan(seed=seed, seconds=180, storage="s3")
+        restarts = [f for f in s3.faults if f.kind == "store_restart"]
+        assert [f for f in s3.faults if f.kind != "store_restart"] == folder.faults and len(restarts) >= 2
+        assert all(0 < f.at_s < 180 and f.arg > 0 for f in restarts)
+        past += sum(1 for f in restarts if f.arg > STORAGE_RETRY_S)
+    assert past > 0

@@ -548,15 +548,16 @@ def verify_recover_dag() -> DAG:
 
         @task(task_id="verify_and_recover")
         def verify(logs: str, out: str, **context: Any) -> dict[str, Any]:
-            from photon.airflow.hooks import IdRegistryHook
+            from photon.airflow.hooks import IdRegistryHook, ObjectStoreHook
             from photon.recovery.verify import verify_and_recover
             from photon.storage import open_store
 
             p = context["params"]
+            store = ObjectStoreHook().options() if out.startswith("s3://") or logs.startswith("s3://") else {}
             report = verify_and_recover(
                 IdRegistryHook(component="verifier").servers(),
-                open_store(out),  # a folder or an s3:// URL (credentials from the worker's environment)
-                open_store(logs),
+                open_store(out, store),  # a folder or an s3:// URL (credentials from photon_storage, else the
+                open_store(logs, store),  # worker's environment)
                 grace_s=float(p["grace_s"]),
                 dry_run=bool(p["dry_run"]),
             )

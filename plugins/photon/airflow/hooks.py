@@ -134,3 +134,43 @@ class IdRegistryHook(BaseHook):
                 return True, str(cur.fetchone()[0])
         finally:
             conn.close()
+
+
+class ObjectStoreHook(BaseHook):
+    """The S3-compatible store the logs and the output are on (``s3://`` Variables), through the ``photon_storage``
+    connection, of Amazon's type ``aws`` and read as Amazon's provider reads it: login the access key id, password
+    the secret access key, extra ``endpoint_url`` and ``region_name``. Where it is not defined, nothing: the
+    worker's own ``AWS_*`` variables (or an instance role) apply. The secret reaches a job through its environment
+    only, never its command line or its Spark configuration. (A cluster's executors read the store with their
+    workers' own environment.)"""
+
+    conn_name_attr = "photon_storage_conn_id"
+    default_conn_name = "photon_storage"
+    conn_type = "aws"
+    hook_name = "Photon object store"
+
+    def __init__(self, photon_storage_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.photon_storage_conn_id = photon_storage_conn_id
+
+    def options(self) -> dict[str, str]:
+        """The store's options for ``photon.storage.open_store`` (read at call time); {} without the connection."""
+        try:
+            conn = self.get_connection(self.photon_storage_conn_id)
+        except AirflowNotFoundException:
+            return {}
+        extra = conn.extra_dejson or {}
+        found = {
+            "aws_access_key_id": conn.login,
+            "aws_secret_access_key": conn.password,
+            "aws_endpoint_url": extra.get("endpoint_url") or conn.host,
+            "aws_region": extra.get("region_name"),
+        }
+        return {k: str(v) for k, v in found.items() if v}
+
+    def environment(self) -> dict[str, str]:
+        """The same as the standard AWS variables, for a job's environment."""
+        env = {k.upper(): v for k, v in self.options().items()}
+        if env.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+            env["AWS_ALLOW_HTTP"] = "true"
+        return env

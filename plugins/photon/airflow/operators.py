@@ -22,7 +22,7 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from photon.airflow.hooks import Component, IdRegistryHook, component_conn_id
+from photon.airflow.hooks import Component, IdRegistryHook, ObjectStoreHook, component_conn_id
 from photon.spark_session import driver_java_options
 
 PLUGINS_DIR = str(Path(__file__).resolve().parents[2])
@@ -77,6 +77,7 @@ class PhotonSparkSubmitOperator(SparkSubmitOperator):
             "PYSPARK_DRIVER_PYTHON": sys.executable,
             **(self.env_vars or {}),
             **IdRegistryHook(self.registry_conn_id, component=self.registry_component).environment(),
+            **ObjectStoreHook().environment(),  # the store's key, if a connection names it: in the environment only
         }
         if remote := self.spark_remote():
             # The job's driver is a Spark Connect client of the warm server: spark-submit starts no SparkContext.
