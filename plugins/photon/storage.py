@@ -89,7 +89,8 @@ class Store(Protocol):
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         """Write ``key`` whole. With ``if_absent``, only if no object has that key: False (and nothing written) if
-        one has, whoever wrote it."""
+        one holding other bytes has; True if it holds these very bytes (a try whose answer was lost wrote it, or
+        another writer wrote the same: either way the key says what this put says)."""
         ...
 
     def delete(self, key: str) -> None:
@@ -298,7 +299,7 @@ class LocalStore:
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
-                    return False
+                    return path.read_bytes() == data  # as a bucket answers (S3Store.put)
             else:
                 os.replace(tmp, path)
         finally:
@@ -524,15 +525,40 @@ class S3Store:
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         import obstore
 
+        if not if_absent:
+            try:
+                obstore.put(self._store, _check_key(key), data, mode="overwrite")
+            except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
+                raise self._error(exc, key) from None
+            return True
+        # The client never retries a conditional put once sent (it is not idempotent): after a store restart its
+        # pooled connection failed it at once. Tried again here within the retry budget; and since a try whose answer
+        # was lost may have written the object, "it exists" means this put's when the object holds these very bytes
+        # (a reviewer's proxy dropping one answer made the lease start's probe refuse a sound store).
+        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+        retrying = Retrying(
+            stop=stop_after_delay(_retry_s()),
+            wait=wait_random_exponential(multiplier=0.1, max=MAX_BACKOFF_S),
+            retry=retry_if_exception_type(obstore.exceptions.GenericError),
+            reraise=True,
+        )
         try:
-            obstore.put(self._store, _check_key(key), data, mode="create" if if_absent else "overwrite")
-        except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError) as exc:
-            if if_absent:  # S3 answers a lost race 412; some stores 409
-                return False
-            raise self._error(exc, key) from None
+            for attempt in retrying:
+                with attempt:
+                    try:
+                        obstore.put(self._store, _check_key(key), data, mode="create")
+                    except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+                        return self._holds(key, data)  # S3 answers a lost race 412; some stores 409
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, key) from None
         return True
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.get(key) == data
+        except NotFoundError:  # written by another, then deleted
+            return False
 
     def delete(self, key: str) -> None:
         import obstore

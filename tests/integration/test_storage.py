@@ -73,7 +73,7 @@ def model(ops: list[tuple]) -> list[object]:
     for op in ops:
         if op[0] == "put":
             if op[3] and op[1] in objects:
-                said.append(False)
+                said.append(objects[op[1]] == op[2])  # the key holds these very bytes: this put's as much as any
                 continue
             objects[op[1]] = op[2]
             said.append(True)
@@ -206,6 +206,41 @@ def test_a_store_back_within_the_retry_budget_is_found_by_obstore_and_deltalake_
         storage_server.start(s3_server.folder)
 
 
+def test_a_conditional_put_rides_a_restart_and_a_lost_answer_and_the_probe_passes(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's two breaks of put-if-absent on a sound store: right after the server restarted (3 s down, a 20 s
+    budget) it failed at once ("error sending request": the client does not retry a conditional put once sent, and
+    its pooled connection was dead); and with its answer lost (a proxy that forwards the request and drops the
+    reply) the client's retry got 412 and the put said it had lost, so the lease start's probe refused the store."""
+    import threading
+
+    from photon.storage import check_conditional_writes
+    from tests.integration.drop_proxy import DropProxy, put_create
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "20")
+    store = open_store(f"s3://{bucket}/p")
+    store.put("warm", b"x")  # a pooled connection to the server
+    storage_server.stop(s3_server.folder, hard=True)
+    back = threading.Timer(3.0, storage_server.start, args=(s3_server.folder,))
+    back.start()
+    try:
+        assert store.put("after-restart", b"mine", if_absent=True)
+    finally:
+        back.join()
+        storage_server.start(s3_server.folder)
+    assert not store.put("after-restart", b"other", if_absent=True)  # another's bytes: lost, as before
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    for name, act in (
+        ("lost-answer", lambda s: s.put("lost-answer/k", b"mine", if_absent=True)),
+        ("probe", lambda s: check_conditional_writes(s, "probe") is None),
+    ):
+        proxy = DropProxy(port, put_create(rf"/{bucket}/p/"), drops=1)
+        via = S3Store(f"s3://{bucket}/p", {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        assert act(via) and len(proxy.dropped) == 1, (name, proxy.dropped)
+    assert store.get("lost-answer/k") == b"mine"
+
+
 def test_photon_join_refuses_a_bucket_that_does_not_exist_saying_so_in_one_line(bucket: str, tmp_path: Path) -> None:
     """Newcomer walk: a missing bucket was one line ending in a cut-off "404 Not Found: <?xml ..." that never said
     the bucket was missing. For --out and --logs alike, before any registry or Spark start."""
@@ -224,8 +259,8 @@ def test_photon_join_refuses_a_bucket_that_does_not_exist_saying_so_in_one_line(
 
 
 def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(s3_server: storage_server.Server) -> None:
-    server = s3_server
-    assert storage_server.start(server.folder) == server  # a second start finds it running
+    server = storage_server.running(s3_server.folder)  # as it runs now (the module's tests restart it)
+    assert server is not None and storage_server.start(server.folder) == server  # a second start finds it running
     proc = psutil.Process(server.pid)
     listening = [c.laddr for p in [proc, *proc.children(recursive=True)] for c in p.net_connections("inet")]
     listening = [a for a in listening if a]

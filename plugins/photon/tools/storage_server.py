@@ -243,7 +243,10 @@ def _fsync_buckets(server: Server) -> None:
     script = "fs.configure -locationPrefix=/buckets/ -fsync -apply\n"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        r = subprocess.run(shell, input=script, capture_output=True, text=True, timeout=60)
+        try:
+            r = subprocess.run(shell, input=script, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            r = subprocess.CompletedProcess(shell, 1, "", "no answer in 60 s")
         if r.returncode == 0 and "error" not in (r.stdout + r.stderr).lower():
             return
         if time.monotonic() > deadline:
@@ -265,6 +268,9 @@ def check_bucket_name(bucket: str) -> None:
 
 def create_bucket(server: Server, bucket: str) -> None:
     check_bucket_name(bucket)
+    # The server as it runs now: a restart keeps the S3 endpoint but moves the inner listeners `weed shell` talks to
+    # (a Server from before one hung the shell on a master that was gone).
+    server = running(server.folder) or server
     import obstore
     from obstore.store import S3Store
 
@@ -273,9 +279,13 @@ def create_bucket(server: Server, bucket: str) -> None:
     with contextlib.suppress(Exception):
         next(iter(obstore.list(store)), None)
         return  # it exists
-    r = subprocess.run(
-        _shell(server), input=f"s3.bucket.create -name {bucket}\n", capture_output=True, text=True, timeout=60
-    )
+    try:
+        r = subprocess.run(
+            _shell(server), input=f"s3.bucket.create -name {bucket}\n", capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        said = "no answer in 60 s"
+        raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}") from None
     said = (r.stdout + r.stderr).strip()
     if r.returncode != 0 or "error" in said.lower():
         raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}")
