@@ -120,8 +120,9 @@ def children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize(
     "signals",
-    [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGTERM), (signal.SIGINT, signal.SIGINT)],
-    ids=["int", "term", "int-term", "int-int"],
+    # (SIGINT alone is the first half of int-int; SIGTERM after SIGINT is swallowed as a second SIGINT is.)
+    [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)],
+    ids=["term", "int-int"],
 )
 def test_an_up_interrupted_as_each_process_starts_leaves_none_running(tmp_path: Path, signals: tuple[int, ...]) -> None:
     """A reviewer's break: SIGINT the moment `photon spark up` had forked a process left it running, named nowhere
