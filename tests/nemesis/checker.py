@@ -20,6 +20,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 if TYPE_CHECKING:
-    from obstore.store import S3Config
+    from obstore.store import RetryConfig, S3Config
 
 US = 1_000_000
 
@@ -49,7 +50,11 @@ def _bucket(url: str) -> tuple[Any, str]:
     from obstore.store import S3Store
 
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    return S3Store(bucket, config=cast("S3Config", _s3_options())), prefix.strip("/")
+    # Retried for a minute (the chaos run restarts the store under it), pausing up to 2 s between tries.
+    backoff = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2)}
+    retry = {"max_retries": 1000, "retry_timeout": timedelta(seconds=60), "backoff": backoff}
+    store = S3Store(bucket, config=cast("S3Config", _s3_options()), retry_config=cast("RetryConfig", retry))
+    return store, prefix.strip("/")
 
 
 def _folders(where: Where) -> list[str]:
@@ -98,7 +103,9 @@ def _tables(out: Where, kind: str) -> list[tuple[str, str]]:
 
 
 def _options_for(where: Where) -> dict[str, str] | None:
-    return None if isinstance(where, Path) else _s3_options()
+    """deltalake's options: the bucket's, retried as the obstore client is."""
+    retry = {"max_retries": "1000", "retry_timeout": "60s", "backoff_config.max_backoff": "2s"}
+    return None if isinstance(where, Path) else _s3_options() | retry
 
 
 def _snapshots(out: Where, kind: str, *columns: str) -> list[tuple[str, int | None, list[tuple]]]:

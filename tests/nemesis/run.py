@@ -743,6 +743,9 @@ class Nemesis:
         return kills + [f"lost {dc}" for dc in self.dying] + [f"clock {dc}" for dc in self.next_clock]
 
     def check(self) -> None:
+        if self.store_up_at is not None:  # the S3 server is down (store_restart): the next check reads it
+            self.outcome.faults["checks_while_store_down"] += 1
+            return
         dups = checker.duplicates(self.out)
         self.outcome.duplicate_checks += 1
         if dups:
