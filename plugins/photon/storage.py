@@ -652,7 +652,13 @@ def error_text(exc: BaseException) -> str:
     """An object store client's error in one line: its first line (what failed) and, where the client nests its
     causes, the innermost (why: "Connection refused"), without terminal colours. Never a credential: the clients'
     messages name the URL and the request, not the keys."""
-    lines = [ln.strip(" ↳") for ln in _ANSI.sub("", str(exc)).splitlines() if ln.strip(" ↳")]
+    text, _, debug = _ANSI.sub("", str(exc)).partition("Debug source:")
+    lines = [ln.strip(" ↳") for ln in text.splitlines() if ln.strip(" ↳")]
+    # obstore's "Debug source:" is a Rust struct dump whose last line is "}": its last quoted message is the cause
+    # ("Connection refused (os error 111)", "operation timed out").
+    cause = re.findall(r'"([^"\n]{3,200})"', debug)
+    if cause and (not lines or cause[-1] not in lines[-1]):
+        lines.append(cause[-1])
     if not lines:
         return type(exc).__name__
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

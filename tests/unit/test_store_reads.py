@@ -223,3 +223,21 @@ def test_a_store_that_ignores_conditional_writes_is_refused_in_one_line_and_left
     with pytest.raises(StorageError, match=r"does not honour conditional writes.*wrote over an existing object"):
         check_conditional_writes(_IgnoresIfNoneMatch(tmp_path / "sloppy"))
     assert list(LocalStore(tmp_path / "sloppy").listing()) == []
+
+
+def test_an_object_store_error_is_one_line_ending_with_its_cause() -> None:
+    """A reviewer's: a request to a hung server failed with a line ending "... }", the last line of obstore's debug
+    dump, so the cause (a timeout) was lost. The cause is the dump's last quoted message; deltalake's nested causes
+    end with the innermost."""
+    from photon.storage import error_text
+
+    obstore_dump = (
+        "Generic S3 error: Error performing GET http://127.0.0.1:9/b/k in 30s - HTTP error: error sending request\n\n"
+        'Debug source:\nGeneric {\n    store: "S3",\n    source: RetryError(\n        HttpError {\n'
+        '            source: reqwest::Error { kind: Request, source: "operation timed out" },\n        },\n    ),\n}'
+    )
+    said = error_text(RuntimeError(obstore_dump))
+    assert said.endswith("error sending request ... operation timed out") and "\n" not in said, said
+    nested = "Kernel error -> Generic S3 error\n \x1b[31m↳\x1b[0m Error performing GET\n"
+    nested += "  ↳ Connection refused (os error 111)"
+    assert error_text(OSError(nested)) == "Kernel error -> Generic S3 error ... Connection refused (os error 111)"

@@ -304,26 +304,26 @@ def alive(pid: int, created: float | None = None) -> bool:
 def kill_group(pid: int, grace_s: float = STOP_GRACE_S) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        if not alive(pid):
-            return
-        time.sleep(0.1)
+    if _gone_within(pid, grace_s, 0.1):
+        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     # Stopped means stopped: a SIGKILLed server can still answer for a moment (caught inside an fsync, it served a
     # whole Delta table read after `stop --hard` had returned).
-    deadline = time.monotonic() + KILL_WAIT_S
+    _gone_within(pid, KILL_WAIT_S, 0.02)
+
+
+def _gone_within(pid: int, seconds: float, poll_s: float) -> bool:
+    """Whether ``pid`` is gone (reaped here if it is our child) within ``seconds``."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
+                return True
         if not alive(pid):
-            return
-        time.sleep(0.02)
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def stop(folder: Path, *, hard: bool = False) -> bool:
