@@ -397,6 +397,7 @@ def spark_cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
         spark_cluster.stop(tmp_path / "spark")
 
 
+@pytest.mark.long
 def test_join_lease_on_a_spark_standalone_cluster(
     env: Any, spark_cluster: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
