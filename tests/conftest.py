@@ -36,6 +36,14 @@ os.environ.setdefault("PHOTON_REGISTRY_REPLICATION", "single")
 # its tests launch) is short-lived: the client compiler alone costs each about a third less CPU (16.5 -> 10.9
 # CPU-seconds for one small `photon join`), and on 2 cores shared by three workers CPU is what the suite waits on.
 os.environ.setdefault("PHOTON_SPARK_DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1")
+# And each maps Spark's classes from an archive made once per virtual environment (tests/spark_cds.py): about half
+# of what remains of a start. Made by the run's first process, before pytest-xdist starts its workers (they inherit
+# the option).
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    from tests.spark_cds import ensure_archive, java_options
+
+    if (_archive := ensure_archive(dict(os.environ))) is not None:
+        os.environ["PHOTON_SPARK_DRIVER_JAVA_OPTIONS"] += f" {java_options(_archive)}"
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
