@@ -629,8 +629,6 @@ def join_cmd(
         from photon.tools.completeness import check_backfill_window  # a window with nothing to join: one line
 
         window = (settings.window_start_us, settings.window_end_us)
-        if not isinstance(source, Path):
-            raise ValueError(f"--logs {logs}: a backfill window reads its logs from a folder (for now)")
         accepted = check_backfill_window(
             servers, source, dc, *window, allow_empty=allow_empty, max_clock_skew_s=settings.max_clock_skew_s
         )
@@ -1209,8 +1207,12 @@ def final_cmd(
     hour: Annotated[str | None, typer.Option(help="The UTC hour, e.g. 2026-11-24T13.")] = None,
     start: Annotated[str | None, typer.Option(help="Or an interval's start (ISO time, UTC if no zone)...")] = None,
     end: Annotated[str | None, typer.Option(help="...and its end (exclusive).")] = None,
-    logs: Annotated[Path | None, typer.Option(help="Input logs (default: $PHOTON_HOME/logs).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output (default: $PHOTON_HOME/out).")] = None,
+    logs: Annotated[
+        str | None, typer.Option(help="Input logs: a folder or s3://bucket/prefix (default: $PHOTON_HOME/logs).")
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option(help="Output: a folder or s3://bucket/prefix (default: $PHOTON_HOME/out).")
+    ] = None,
     max_join_delay: Annotated[float, typer.Option(help="The joiners' maximum join delay, seconds.")] = 120.0,
     lost_after: Annotated[
         float, typer.Option(help="Seconds without a heartbeat from any of its pipelines before a data center is lost.")
@@ -1243,21 +1245,21 @@ def final_cmd(
         raise ValueError("give --hour, or --start and --end")
     start_us, end_us = hour_interval(hour) if hour is not None else (_parse_time(start or ""), _parse_time(end or ""))
     settings = load_settings()
-    logs = _folder(logs, "--logs") if logs is not None else settings.home / "logs"
-    out = _folder(out, "--out") if out is not None else settings.home / "out"
-    marker = None if recheck else read_marker(out, start_us, end_us)
+    source = _store_or_folder(logs, "--logs", must_exist=True) if logs is not None else settings.home / "logs"
+    target = _store_or_folder(out, "--out", must_exist=True) if out is not None else settings.home / "out"
+    marker = None if recheck else read_marker(target, start_us, end_us)
     if marker is None:
         decision = decide_final(
             initialised_servers(settings),
-            logs,
-            out,
+            source,
+            target,
             start_us,
             end_us,
             FinalitySettings(max_join_delay, settings.max_clock_skew_s, lost_after, min_click_files, allow_empty),
         )
         marker = decision.to_dict()
         if decision.final and mark:
-            path, marker = write_marker(out, decision)
+            path, marker = write_marker(target, decision)
             marker["marker"] = str(path)
     if as_json:
         typer.echo(json.dumps(marker, indent=2, sort_keys=True))

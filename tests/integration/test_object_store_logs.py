@@ -6,6 +6,7 @@ crash. The checks read the output tables and the generator's manifest only."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,63 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
     secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"]
     assert secret not in output
     assert psycopg2.extensions.parse_dsn(env["PHOTON_REGISTRY_DSN"]).get("password", "\0") not in output
+
+
+def test_a_backfill_window_and_the_finality_of_its_hour_read_the_bucket(
+    tmp_path: Path,
+    s3_server: storage_server.Server,
+    bucket: str,
+    make_db: Callable[[], str],
+    login_as: Callable[[str, str], str],
+) -> None:
+    """An hour two hours back, in both replicas in the bucket: `photon final` finds it not final (nothing consumed
+    it), a backfill of an hour without logs is refused in one line naming the bucket, the backfill of the hour joins
+    it from the bucket, and `photon final --mark` then declares it, with its marker put into the bucket. Was: the
+    window refused (`--logs s3://...: a backfill window reads its logs from a folder`), `photon final` too."""
+    admin = make_db()
+    init_registry({"main": admin}, num_shards=2)
+    logs, out, manifest = f"s3://{bucket}/logs", f"s3://{bucket}/out", tmp_path / "manifest"
+    hour = (int(time.time()) // 3600 - 2) * 3600 * US
+    settings = GeneratorSettings(
+        events_per_s=100, late_click_fraction=0.0, late_query_file_fraction=0.0, lost_query_fraction=0.0
+    )
+    generate(settings, logs, start_us=hour + 600 * US, end_us=hour + 630 * US, manifest=manifest)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", **s3_server.env()}
+
+    def photon(login: str, *args: str) -> subprocess.CompletedProcess[str]:
+        run_env = env | {"PHOTON_REGISTRY_DSN": login_as(admin, login)}
+        cmd = [sys.executable, "-m", "photon", *args]
+        return subprocess.run(cmd, env=run_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    def iso(us: int) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(us // US))
+
+    final = ["final", "--hour", iso(hour)[:13], "--logs", logs, "--out", out, "--json"]
+    undecided = photon("photon_verifier", *final)
+    assert undecided.returncode == 1, undecided.stdout[-3000:] + undecided.stderr[-3000:]
+    decision = json.loads(undecided.stdout)
+    assert decision["click_files"] > 10 and decision["lost_data_centers"] == ["dc-a", "dc-b"], decision
+
+    def backfill(start: int) -> subprocess.CompletedProcess[str]:
+        window = ["--window-start", iso(start), "--window-end", iso(start + 3600 * US)]
+        return photon(
+            "photon_joiner",
+            *("join", "--dc", "dc-a", "--logs", logs, "--out", out, "--pipeline", f"backfill-dc-a-{start // US}"),
+            *("--until-caught-up", "--drain", "--max-join-delay", "30", *window),
+        )
+
+    empty = backfill(hour - 3600 * US)
+    assert empty.returncode == 2, empty.stdout[-3000:] + empty.stderr[-3000:]
+    assert f"no click file in {logs}/dc-a/clicks for the window" in empty.stdout + empty.stderr
+    joined = backfill(hour)
+    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+
+    declared = photon("photon_verifier", *final, "--mark")
+    assert declared.returncode == 0, declared.stdout[-3000:] + declared.stderr[-3000:]
+    marker = json.loads(declared.stdout)
+    assert marker["final"] and marker["input_clicks"] > 100, marker
+    key = f"out/_final/{time.strftime('%Y%m%d%H', time.gmtime(hour // US))}.json"
+    assert marker["marker"] == f"s3://{bucket}/{key}"
+    assert json.loads(S3Store(f"s3://{bucket}").get(key))["input_clicks"] == marker["input_clicks"]
+    report = audit(S3Store(out), manifest=manifest, ran=["dc-a"])
+    assert report.lost == 0 and report.duplicate_clicks == 0 and report.outcomes["joined"] > 100, report.failures()

@@ -671,7 +671,8 @@ def test_interval_clicks_parses_files_together_as_each_alone(tmp_path: Path) -> 
     """The click files are parsed together (one Arrow read per few MB): a file's torn last line must stay its own
     line, not swallow the next file's first click, and a torn tail that is a whole event still counts, as when each
     file is parsed alone."""
-    from photon.tools.quality import interval_clicks
+    from photon.storage import LocalStore
+    from photon.tools.quality import ClickFile, interval_clicks
 
     a, b, c = (START + k * US for k in (1, 2, 3))
     torn = tmp_path / "torn.jsonl"
@@ -681,7 +682,7 @@ def test_interval_clicks_parses_files_together_as_each_alone(tmp_path: Path) -> 
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
     files = [torn, whole, empty, torn]
-    together = interval_clicks(files).sort_by("click_id")
+    together = interval_clicks([ClickFile(LocalStore(tmp_path), f.name) for f in files]).sort_by("click_id")
     alone = [parse_file(f.name, f.read_bytes(), "clicks")[0]["click_id"].to_pylist() for f in files]
     assert together["click_id"].to_pylist() == sorted({i for ids in alone for i in ids})
     assert together["click_id"].to_pylist() == sorted(_click_id(ts) for ts in (a, b, c))

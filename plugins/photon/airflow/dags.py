@@ -371,16 +371,15 @@ class FinalSensor(BaseSensorOperator):
         self.logs, self.out = logs, out
 
     def poke(self, context: Any) -> PokeReturnValue:
-        from pathlib import Path
-
-        from photon.airflow.hooks import IdRegistryHook
+        from photon.airflow.hooks import IdRegistryHook, ObjectStoreHook
         from photon.tools.completeness import FinalitySettings, decide_final, summary
 
         p = context["params"]
+        store = ObjectStoreHook()
         decision = decide_final(
             IdRegistryHook(component="verifier").servers(),
-            Path(self.logs),
-            Path(self.out),
+            store.open(self.logs),  # a folder or an s3:// URL
+            store.open(self.out),
             int(context["data_interval_start"].timestamp() * US),
             int(context["data_interval_end"].timestamp() * US),
             FinalitySettings(
@@ -438,9 +437,10 @@ def finality_dag() -> DAG:
 
         @task(task_id="declare_final", outlets=[FINAL_HOURLY])
         def declare(decision: dict[str, Any], out: str, **context: Any) -> dict[str, Any]:
+            from photon.airflow.hooks import ObjectStoreHook
             from photon.tools.completeness import Finality, write_marker
 
-            path, marker = write_marker(out, Finality.from_dict(decision))
+            path, marker = write_marker(ObjectStoreHook().open(out), Finality.from_dict(decision))
             extra = {k: marker[k] for k in ("start", "end", "start_us", "end_us", "click_files", "input_clicks")}
             extra["empty_accepted"] = bool(marker.get("empty_accepted"))
             context["outlet_events"][FINAL_HOURLY].extra = extra | {"marker": str(path)}
@@ -550,14 +550,13 @@ def verify_recover_dag() -> DAG:
         def verify(logs: str, out: str, **context: Any) -> dict[str, Any]:
             from photon.airflow.hooks import IdRegistryHook, ObjectStoreHook
             from photon.recovery.verify import verify_and_recover
-            from photon.storage import open_store
 
             p = context["params"]
-            store = ObjectStoreHook().options() if out.startswith("s3://") or logs.startswith("s3://") else {}
+            store = ObjectStoreHook()
             report = verify_and_recover(
                 IdRegistryHook(component="verifier").servers(),
-                open_store(out, store),  # a folder or an s3:// URL (credentials from photon_storage, else the
-                open_store(logs, store),  # worker's environment)
+                store.open(out),  # a folder or an s3:// URL (credentials from photon_storage, else the
+                store.open(logs),  # worker's environment)
                 grace_s=float(p["grace_s"]),
                 dry_run=bool(p["dry_run"]),
             )

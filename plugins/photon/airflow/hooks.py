@@ -15,12 +15,15 @@ migrations) needs the owner.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
 from photon.registry.admin import COMPONENT_ROLES, init_registry, status
+
+if TYPE_CHECKING:
+    from photon.storage import Store
 
 
 def dsn_from_connection(conn: Any) -> str:
@@ -167,6 +170,12 @@ class ObjectStoreHook(BaseHook):
             "aws_region": extra.get("region_name"),
         }
         return {k: str(v) for k, v in found.items() if v}
+
+    def open(self, where: str) -> Store:
+        """The store ``where`` names (a folder, or an ``s3://`` URL reached with this connection's options)."""
+        from photon.storage import open_store
+
+        return open_store(where, self.options() if where.startswith("s3://") else None)
 
     def environment(self) -> dict[str, str]:
         """The same as the standard AWS variables, for a job's environment."""

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
@@ -65,7 +64,7 @@ from photon.pg import autocommit
 from photon.registry.client import MAIN, IdRegistry
 from photon.registry.clock import CLOCK_SQL
 from photon.settings import MAX_CLOCK_SKEW_S, time_bound_s
-from photon.storage import NotFoundError, open_store
+from photon.storage import LocalStore, NotFoundError, Store, as_store
 from photon.tools.quality import interval_click_files, interval_clicks
 
 log = logging.getLogger(__name__)
@@ -174,16 +173,18 @@ class _Pipeline:
 
 def decide_final(
     servers: Mapping[str, str],
-    logs: Path,
-    out: Path,
+    logs: Path | Store | str,
+    out: Path | Store | str,
     start_us: int,
     end_us: int,
     settings: FinalitySettings | None = None,
 ) -> Finality:
     """Whether ``[start_us, end_us)`` is final, and if not, why (the steps of the module's docstring)."""
     s = settings or FinalitySettings()
-    if not logs.is_dir():  # a wrong path would read as an hour without input: final, and billed as empty
-        raise ValueError(f"logs folder {logs} does not exist: no interval can be judged without its input")
+    logs, out = as_store(logs), as_store(out)
+    # A wrong path would read as an hour without input: final, and billed as empty.
+    if isinstance(logs, LocalStore) and not logs.root.is_dir():
+        raise ValueError(f"logs folder {logs.root} does not exist: no interval can be judged without its input")
     main = servers[MAIN]
     with autocommit(main, application_name="photon-final") as conn, conn.cursor() as cur:
         # 1. Time, by the server's clock.
@@ -214,13 +215,13 @@ def decide_final(
                 d.empty_accepted = True
             else:
                 d.reasons.append(
-                    f"{len(files)} click file(s) in any replica under {logs}, where at least {s.min_click_files} are"
-                    " expected: log shipping stopped, or the wrong logs folder (--allow-empty, photon_finality's"
+                    f"{len(files)} click file(s) in any replica under {logs.url}, where at least {s.min_click_files}"
+                    " are expected: log shipping stopped, or the wrong logs folder (--allow-empty, photon_finality's"
                     " allow_empty, declares an interval without input final)"
                 )
         by_dc: dict[str, list[str]] = {}
         for f in files:
-            dc, _, rel = f.relative_to(logs).as_posix().partition("/clicks/")
+            dc, _, rel = f.key.partition("/clicks/")
             by_dc.setdefault(dc, []).append(rel)
         consumed = _consumed_by_name(cur, by_dc, start_us, end_us, pipes)
         _judge_consumption(d, by_dc, consumed, pipes)
@@ -237,7 +238,7 @@ def decide_final(
     return d
 
 
-def _pipeline_dc(out: Path, name: str) -> str:
+def _pipeline_dc(out: Store, name: str) -> str:
     """The data center a pipeline reads: its ``_pipeline.json``, else a backfill's name (``backfill-<dc>-<start>``),
     else its own name."""
     try:
@@ -249,7 +250,7 @@ def _pipeline_dc(out: Path, name: str) -> str:
     return name
 
 
-def _pipelines(cur: Any, out: Path, lost_after_s: float) -> dict[str, _Pipeline]:
+def _pipelines(cur: Any, out: Store, lost_after_s: float) -> dict[str, _Pipeline]:
     cur.execute(
         "SELECT p.pipeline, p.last_batch,"
         " extract(epoch FROM clock_timestamp() - coalesce(p.heartbeat_at, p.updated_at)), b.epoch, b.clicks_from,"
@@ -394,22 +395,24 @@ def _judge_consumption(
         )  # fmt: skip
 
 
-def _retry_ids(out: Path, p: _Pipeline) -> pa.Array | None:
+def _retry_ids(out: Store, p: _Pipeline) -> pa.Array | None:
     """The click ids waiting in the retry set of the pipeline's last committed batch; None if it cannot be read."""
     if p.leaves_nothing_waiting:
         return pa.array([], pa.string())
     if p.last_epoch is None:
         return None
-    folder = out / p.name / "_state" / "retries" / batch_tag(p.last_batch, p.last_epoch)
+    folder = f"{p.name}/_state/retries/{batch_tag(p.last_batch, p.last_epoch)}"
     try:
-        if not any(folder.glob("*.parquet")):
+        parts = [e.key for e in out.files(folder) if e.key.endswith(".parquet")]
+        if not parts:
             return None  # the metrics say it holds clicks: replaced by a newer batch's set since, or gone
-        return pq.read_table(str(folder), columns=["click_id"])["click_id"].combine_chunks()
+        ids = [pq.read_table(pa.BufferReader(out.get(key)), columns=["click_id"])["click_id"] for key in parts]
+        return pa.chunked_array([c for column in ids for c in column.chunks], pa.string()).combine_chunks()
     except (OSError, pa.ArrowInvalid):
         return None
 
 
-def _judge_retries(d: Finality, out: Path, ids: pa.Array, pipes: Mapping[str, _Pipeline]) -> None:
+def _judge_retries(d: Finality, out: Store, ids: pa.Array, pipes: Mapping[str, _Pipeline]) -> None:
     """A click of the interval waiting in a live pipeline's retry set has no outcome yet."""
     for p in pipes.values():
         if not p.live:
@@ -417,8 +420,8 @@ def _judge_retries(d: Finality, out: Path, ids: pa.Array, pipes: Mapping[str, _P
         waiting = _retry_ids(out, p)
         if waiting is None:
             d.reasons.append(
-                f"{p.name}: the retry set of its batch {p.last_batch} cannot be read under {out / p.name / '_state'}"
-                " (a newer batch may have replaced it: asked again later)"
+                f"{p.name}: the retry set of its batch {p.last_batch} cannot be read under"
+                f" {out.location(p.name)}/_state (a newer batch may have replaced it: asked again later)"
             )
             continue
         mine = waiting.filter(pc.is_in(waiting, value_set=ids)) if len(waiting) else waiting
@@ -465,18 +468,18 @@ def _judge_registrations(d: Finality, servers: Mapping[str, str], ids: pa.Array)
 
 
 def _judge_redispatched(
-    d: Finality, main: str, logs: Path, start_us: int, ids: pa.Array, pipes: Mapping[str, _Pipeline]
+    d: Finality, main: str, logs: Store, start_us: int, ids: pa.Array, pipes: Mapping[str, _Pipeline]
 ) -> None:
     """Clicks the verifier took out of the registry are decided again once a pipeline reads their re-dispatched
     copy: a pass under way (its intents), or a re-dispatched file no pipeline that decides it has consumed, holding
     a click of the interval, holds the interval back."""
     d.redispatched_waiting = 0
     intents = [
-        f"{dc.name}/clicks/{e.name}"
-        for dc in (os.scandir(logs) if logs.is_dir() else ())
-        if dc.is_dir() and not dc.name.startswith(("_", ".")) and (logs / dc.name / "clicks").is_dir()
-        for e in os.scandir(logs / dc.name / "clicks")
-        if e.name.startswith(RECOVERED_PREFIX) and e.name.endswith(".inprogress")
+        e.key
+        for dc in logs.folders()
+        if not dc.startswith(("_", "."))
+        for e in logs.files(f"{dc}/clicks")
+        if e.key.rpartition("/")[2].startswith(RECOVERED_PREFIX) and e.key.endswith(".inprogress")
     ]
     if intents:
         d.reasons.append(f"a verifier pass is re-dispatching clicks ({', '.join(sorted(intents)[:SAMPLES])})")
@@ -484,15 +487,15 @@ def _judge_redispatched(
     # A re-dispatched file lands in the partition of its moment, after the interval began; a live pipeline has
     # consumed everything behind its listing mark, so only partitions from the lowest such mark on are listed.
     first = partition_of(start_us)
-    found: dict[str, list[Path]] = {}
+    found: dict[str, list[str]] = {}
     rels: set[str] = set()  # as the pipelines of those data centers record them
     for dc in sorted({p.dc for p in pipes.values() if p.live}):
         marks = [p.clicks_mark for p in pipes.values() if p.live and p.dc == dc]
         since = first if any(m is None for m in marks) else max(first, min(m for m in marks if m is not None))
-        folder = logs / dc / "clicks"
-        for f in list_closed(folder, since):
+        folder = f"{dc}/clicks"
+        for f in list_closed(logs.child(folder), since):
             if f.name.startswith(RECOVERED_PREFIX):
-                found.setdefault(f.name, []).append(folder / f.rel)
+                found.setdefault(f.name, []).append(f"{folder}/{f.rel}")
                 rels.add(f.rel)
     if not found:
         return
@@ -508,8 +511,8 @@ def _judge_redispatched(
         taken = {_base(n) for p, n, b in cur.fetchall() if int(b) <= pipes[p].last_batch}
     waiting: set[str] = set()
     for name in sorted(set(found) - taken):
-        path = found[name][0]  # the same clicks in every replica
-        good = parse_file(name, path.read_bytes(), "clicks")[0]["click_id"]
+        key = found[name][0]  # the same clicks in every replica
+        good = parse_file(name, logs.get(key), "clicks")[0]["click_id"]
         waiting.update(good.filter(pc.is_in(good, value_set=ids)).to_pylist())
     d.redispatched_waiting = len(waiting)
     if waiting:
@@ -529,7 +532,7 @@ class EmptyWindowError(ValueError):
 
 def check_backfill_window(
     servers: Mapping[str, str],
-    logs: Path,
+    logs: Path | Store | str,
     dc: str,
     start_us: int,
     end_us: int,
@@ -547,10 +550,11 @@ def check_backfill_window(
     from photon.joiner.query_index import registry_horizon_us
 
     horizon, _ = registry_horizon_us(servers, max_clock_skew_s=max_clock_skew_s)
-    files = interval_click_files(logs, start_us, end_us, dcs=[dc])
+    store = as_store(logs)
+    files = interval_click_files(store, start_us, end_us, dcs=[dc])
     problems = []
     if not files:
-        problems.append(f"no click file in {logs / dc / 'clicks'} for the window")
+        problems.append(f"no click file in {store.location(f'{dc}/clicks')} for the window")
     if end_us <= horizon:
         problems.append(
             "the window ends before the registry's horizon (ids older than it are forgotten: nothing of it can be"
@@ -580,20 +584,22 @@ def marker_key(start_us: int, end_us: int) -> str:
     return f"{FINAL_DIR}/{name}.json"
 
 
-def marker_path(out: Path | str, start_us: int, end_us: int) -> str:
+def marker_path(out: Path | Store | str, start_us: int, end_us: int) -> str:
     """Where the marker of an interval is: a path under the output folder, or a URL under an ``s3://`` one."""
     key = marker_key(start_us, end_us)
+    if not isinstance(out, (Path, str)):
+        return out.location(key)
     text = str(out)
     return f"{text.rstrip('/')}/{key}" if text.startswith("s3://") else str(Path(text.removeprefix("file://")) / key)
 
 
-def write_marker(out: Path | str, decision: Finality) -> tuple[str, dict[str, Any]]:
+def write_marker(out: Path | Store | str, decision: Finality) -> tuple[str, dict[str, Any]]:
     """Record a final decision where readers poll for it; (where it is, the marker as it stands). Written whole or
     not at all and durably, and only once (put-if-absent, on a folder as on an object store): the first declaration
     stands (a re-run of the task, or a second decision racing it, leaves it as it is and returns it)."""
     if not decision.final:
         raise ValueError(f"interval [{iso(decision.start_us)}, {iso(decision.end_us)}) is not final")
-    store, key = open_store(out), marker_key(decision.start_us, decision.end_us)
+    store, key = as_store(out), marker_key(decision.start_us, decision.end_us)
     where = marker_path(out, decision.start_us, decision.end_us)
     existing = read_marker(out, decision.start_us, decision.end_us)
     if existing is not None:
@@ -604,9 +610,9 @@ def write_marker(out: Path | str, decision: Finality) -> tuple[str, dict[str, An
     return where, json.loads(store.get(key))  # another writer's, first
 
 
-def read_marker(out: Path | str, start_us: int, end_us: int) -> dict[str, Any] | None:
+def read_marker(out: Path | Store | str, start_us: int, end_us: int) -> dict[str, Any] | None:
     try:
-        data = open_store(out).get(marker_key(start_us, end_us))
+        data = as_store(out).get(marker_key(start_us, end_us))
     except NotFoundError:
         return None
     return cast(dict[str, Any], json.loads(data))

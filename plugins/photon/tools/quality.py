@@ -76,6 +76,7 @@ from photon.logs.layout import MINUTE_US, data_center_of, partition_of, partitio
 from photon.logs.parse import parse_file_located
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.settings import time_bound_s
+from photon.storage import Store, as_store
 
 log = logging.getLogger(__name__)
 
@@ -305,47 +306,65 @@ SAMPLE_IDS = 5
 PARSE_GROUP_BYTES = 8 << 20  # click files parsed in one call (interval_clicks)
 
 
-def interval_click_files(logs: Path, start_us: int, end_us: int, dcs: Sequence[str] | None = None) -> list[Path]:
-    """The click files of ``[start_us, end_us)``, of every data center's replica: the closed files of the arrival
-    partitions that start in the interval (EVENTS.md), and the flat files directly in ``clicks/`` (the layout before
-    partitions) whose first event is stamped in it, as ``photon_backfill`` picks them. A file lies in exactly one
-    partition, so every click file of a replica belongs to exactly one interval; once the partitions are sealed no file
-    can join the interval, so the set is final. The verifier's ``recovered-*`` files are copies and never count.
-    Lists the interval's minute folders only (60 ``listdir`` per replica for an hour), never the history. ``dcs``:
-    only these replicas."""
-    files: list[Path] = []
-    if dcs is None:
-        try:
-            dcs = sorted(e.name for e in os.scandir(logs) if e.is_dir() and not e.name.startswith(("_", ".")))
-        except FileNotFoundError:
-            return files
+@dataclass(frozen=True)
+class ClickFile:
+    """A click file of an interval: ``key`` in the logs (``<dc>/clicks/<YYYYmmdd>/<HHMM>/<name>``, or
+    ``<dc>/clicks/<name>`` for a flat one), on a folder or an object store alike."""
 
-    def closed(name: str) -> bool:
+    store: Store
+    key: str
+
+    def read_bytes(self) -> bytes:
+        return self.store.get(self.key)
+
+    @property
+    def partition(self) -> str:
+        """``<dc>/clicks/<YYYYmmdd>/<HHMM>`` (or ``<dc>/clicks`` for a flat file): files of one share it."""
+        return self.key.rpartition("/")[0]
+
+    @property
+    def arrival_us(self) -> int | None:
+        """The start of its arrival partition; None for a flat file."""
+        parts = self.key.split("/")
+        day, minute = (parts[-3], parts[-2]) if len(parts) >= 5 else ("", "")
+        if len(day) == 8 and len(minute) == 4 and day.isdigit() and minute.isdigit():
+            return partition_start_us(f"{day}/{minute}")
+        return None
+
+
+def interval_click_files(
+    logs: Path | Store | str, start_us: int, end_us: int, dcs: Sequence[str] | None = None
+) -> list[ClickFile]:
+    """The click files of ``[start_us, end_us)``, of every data center's replica (``logs``: a folder or an object
+    store): the closed files of the arrival partitions that start in the interval (EVENTS.md), and the flat files
+    directly in ``clicks/`` (the layout before partitions) whose first event is stamped in it, as ``photon_backfill``
+    picks them. A file lies in exactly one partition, so every click file of a replica belongs to exactly one
+    interval; once the partitions are sealed no file can join the interval, so the set is final. The verifier's
+    ``recovered-*`` files are copies and never count. Lists the interval's minute folders only (60 listings per
+    replica for an hour), never the history. ``dcs``: only these replicas."""
+    store = as_store(logs)
+    files: list[ClickFile] = []
+    if dcs is None:
+        dcs = [name for name in store.folders() if not name.startswith(("_", "."))]
+
+    def closed(key: str) -> bool:
+        name = key.rpartition("/")[2]
         return name.endswith(".jsonl") and not name.startswith((".", RECOVERED_PREFIX))
 
     first_minute = -(-start_us // MINUTE_US) * MINUTE_US  # the first partition starting at or after start
     for dc in dcs:
-        folder = logs / dc / "clicks"
-        try:
-            flat = [e for e in os.scandir(folder) if e.is_file() and closed(e.name)]
-        except FileNotFoundError:
-            continue
+        folder = f"{dc}/clicks"
         files += [
-            Path(e.path)
-            for e in sorted(flat, key=lambda e: e.name)
-            if start_us <= first_event_us(Path(e.path)) < end_us
+            ClickFile(store, e.key)
+            for e in store.files(folder)
+            if closed(e.key) and start_us <= first_event_us(store, e.key) < end_us
         ]
         for minute in range(first_minute, end_us, MINUTE_US):
-            part = folder / partition_of(minute)
-            try:
-                names = sorted(n for n in os.listdir(part) if closed(n))
-            except FileNotFoundError:
-                continue
-            files += [part / n for n in names]
+            files += [ClickFile(store, e.key) for e in store.files(f"{folder}/{partition_of(minute)}") if closed(e.key)]
     return files
 
 
-def interval_clicks(files: list[Path]) -> pa.Table:
+def interval_clicks(files: Sequence[ClickFile]) -> pa.Table:
     """Distinct well-formed clicks (``click_id``, ``ts_us``, ``arrival_us``) of the files, by the joiner's own parser:
     a line it quarantines is no click here either (quarantine is checked by its own rate). ``arrival_us``: the start
     of the earliest arrival partition holding the click, in any replica (null where only flat files hold it).
@@ -358,7 +377,6 @@ def interval_clicks(files: list[Path]) -> pa.Table:
     tables: list[pa.Table] = []
     group: list[bytes] = []
     arrivals: list[int] = []  # of each file of the group; -1: unknown (a flat file)
-    of_folder: dict[Path, int] = {}  # a partition's start, parsed once (thousands of files share one)
     size = 0
 
     def parse_group() -> None:
@@ -378,10 +396,8 @@ def interval_clicks(files: list[Path]) -> pa.Table:
         if not data:
             continue
         group.append(data if data.endswith(b"\n") else data + b"\n")
-        if f.parent not in of_folder:
-            arrival = _arrival_us(f)
-            of_folder[f.parent] = -1 if arrival is None else arrival
-        arrivals.append(of_folder[f.parent])
+        arrival = f.arrival_us
+        arrivals.append(-1 if arrival is None else arrival)
         size += len(data)
         if size >= PARSE_GROUP_BYTES:
             parse_group()
@@ -401,14 +417,6 @@ def interval_clicks(files: list[Path]) -> pa.Table:
         .aggregate([("ts_us", "min"), ("arrival_us", "min")])
         .rename_columns(["click_id", "ts_us", "arrival_us"])
     )
-
-
-def _arrival_us(path: Path) -> int | None:
-    """The start of a click file's arrival partition (``<clicks>/<YYYYmmdd>/<HHMM>/<name>``); None for a flat file."""
-    day, minute = path.parent.parent.name, path.parent.name
-    if len(day) == 8 and len(minute) == 4 and day.isdigit() and minute.isdigit():
-        return partition_start_us(f"{day}/{minute}")
-    return None
 
 
 @dataclass
