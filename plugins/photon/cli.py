@@ -991,9 +991,15 @@ def verify_cmd(
 @app.command("status")
 def status_cmd(
     pipeline: Annotated[list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: all.")] = None,
-    logs: Annotated[Path | None, typer.Option(help="Input logs, for the lag (default: $PHOTON_HOME/logs).")] = None,
+    logs: Annotated[
+        str | None,
+        typer.Option(help="Input logs, for the lag: a folder or s3://bucket/prefix (default: $PHOTON_HOME/logs)."),
+    ] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Output, for the retry sets and tables (default: $PHOTON_HOME/out).")
+        str | None,
+        typer.Option(
+            help="Output, for the retry sets and tables: a folder or s3://bucket/prefix (default: $PHOTON_HOME/out)."
+        ),
     ] = None,
     window: Annotated[float, typer.Option(help="Seconds of recent batches for latency and shares.")] = 300.0,
     wide: Annotated[
@@ -1015,10 +1021,18 @@ def status_cmd(
     from photon.tools.status import pipeline_status
 
     home = load_settings().home
-    logs = _folder(logs, "--logs") if logs is not None else (home / "logs" if (home / "logs").is_dir() else None)
-    out = _folder(out, "--out") if out is not None else (home / "out" if (home / "out").is_dir() else None)
+    source = (
+        _store_or_folder(logs, "--logs", must_exist=True)
+        if logs is not None
+        else (home / "logs" if (home / "logs").is_dir() else None)
+    )
+    target = (
+        _store_or_folder(out, "--out", must_exist=True)
+        if out is not None
+        else (home / "out" if (home / "out").is_dir() else None)
+    )
     records = pipeline_status(
-        initialised_servers()["main"], logs=logs, out=out, pipelines=pipeline or (), window_s=window
+        initialised_servers()["main"], logs=source, out=target, pipelines=pipeline or (), window_s=window
     )
     # A finished backfill is history (an hour joined, often with nothing in it); a day of hourly backfills buried
     # the live pipelines. Named ones are shown whatever their state.

@@ -25,6 +25,7 @@ from photon.storage import LocalStore, S3Store
 from photon.tools import storage_server
 from photon.tools.audit import audit
 from photon.tools.generator import GeneratorSettings, generate
+from photon.tools.status import pipeline_status
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,10 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
         body = logs.get(f"dc-a/{clicks[-1]}")
         logs.put(f"dc-a/{late}", body)
         wait("the late object consumed", lambda: consumed(admin) > len(clicks), 60)
+        # `photon status` lists the bucket from the lease's marks: every object consumed, nothing behind.
+        (status,) = pipeline_status(admin, logs=logs, out=out)
+        assert status["state"] == "running" and status["lag"] == {"queries": None, "clicks": None}, status
+        assert status["behind_s"] == 0.0 and status["tables"]["joined"]["published_batch"] >= 1, status
         logs.put(f"dc-a/{late}", body + b'{"click_id": "again"}\n')
         quarantine = out / "dc-a" / "quarantine"
 
@@ -163,6 +168,12 @@ def test_a_backfill_window_and_the_finality_of_its_hour_read_the_bucket(
     assert f"no click file in {logs}/dc-a/clicks for the window" in empty.stdout + empty.stderr
     joined = backfill(hour)
     assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+
+    shown = photon("photon_verifier", "status", "--all", "--json", "--logs", logs, "--out", out)
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    (status,) = json.loads(shown.stdout)
+    assert status["state"] == "finished" and status["retries"] == {"waiting": 0, "due": 0}, status
+    assert status["tables"]["joined"]["published_batch"] == status["last_batch"] >= 1, status
 
     declared = photon("photon_verifier", *final, "--mark")
     assert declared.returncode == 0, declared.stdout[-3000:] + declared.stderr[-3000:]

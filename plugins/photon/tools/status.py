@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from functools import partial
@@ -26,6 +25,7 @@ from typing import Any
 from photon.logs.layout import list_closed, part_of_name, partition_of, partition_start_us
 from photon.pg import autocommit
 from photon.settings import load_settings
+from photon.storage import Store, as_store
 
 US = 1_000_000
 BACKFILL_PREFIX = "backfill-"
@@ -76,12 +76,11 @@ def lag_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _dc_of(pipeline: str, out: Path | None) -> str | None:
+def _dc_of(pipeline: str, out: Store | None) -> str | None:
     """The data center a pipeline reads: recorded by the joiner in ``<out>/<pipeline>/_pipeline.json``."""
     if out is not None:
-        meta = out / pipeline / "_pipeline.json"
         try:
-            return str(json.loads(meta.read_text())["dc"])
+            return str(json.loads(out.get(f"{pipeline}/_pipeline.json"))["dc"])
         except (OSError, ValueError, KeyError):
             pass
     if pipeline.startswith(BACKFILL_PREFIX):  # backfill-<dc>-<YYYYmmddHHMM>
@@ -101,7 +100,7 @@ def state_of(kind: str, lease_holder: str | None, heartbeat_age_s: float | None)
 
 
 def _oldest_unconsumed(
-    cur: Any, pipeline: str, folder: Path, kind: str, since: str | None, start_us: int | None = None
+    cur: Any, pipeline: str, folder: Store, kind: str, since: str | None, start_us: int | None = None
 ) -> tuple[tuple[str, float] | None, str | None, str | None]:
     """((name, mtime) of the oldest closed file in ``folder`` the pipeline has not consumed, the oldest partition
     holding such a file, the newest partition listed), listed as its joiner lists them: from the partition its last
@@ -125,8 +124,11 @@ def _oldest_unconsumed(
         if f.rel in consumed:
             continue
         try:
-            mtime = os.stat(folder / f.rel).st_mtime
-            if start_us is not None and not is_after_start(f.rel, start_us, partial(first_event_us, folder / f.rel)):
+            entry = f.entry or folder.head(f.rel)  # an object store's come with the listing
+            if entry is None:
+                continue  # gone since the listing
+            mtime = entry.modified_us / US
+            if start_us is not None and not is_after_start(f.rel, start_us, partial(first_event_us, folder, f.rel)):
                 continue
         except FileNotFoundError:
             continue
@@ -137,7 +139,7 @@ def _oldest_unconsumed(
     return oldest, oldest_part, newest
 
 
-def _history_scope(cur: Any, out: Path | None) -> tuple[str | None, dict[str, str | None]]:
+def _history_scope(cur: Any, out: Store | None) -> tuple[str | None, dict[str, str | None]]:
     """For the history report: the oldest partition whose consumed-file records GC has kept (those behind the
     registry's horizon are forgotten, and their clicks with them; the GC threshold of this server's shards, moved
     in the same run; None if GC has not run here), and every pipeline's data center."""
@@ -153,7 +155,7 @@ def handover_gaps(
     pipeline: str,
     since_us: int,
     *,
-    logs: Path | None = None,
+    logs: Store | None = None,
     current: tuple[int, int | None] | None = None,
 ) -> list[float]:
     """Seconds input waited for a lease at each hand-over, for the leases that started since ``since_us``.
@@ -188,13 +190,15 @@ def handover_gaps(
     return gaps
 
 
-def _arrival_us(logs: Path | None, kind: str, name: str) -> int | None:
+def _arrival_us(logs: Store | None, kind: str, name: str) -> int | None:
     """When a consumed file arrived: its modification time, else its arrival partition's start (None: unknown)."""
     if logs is not None:
         try:
-            return int(os.stat(logs / kind / name).st_mtime * US)
-        except OSError:
-            pass
+            entry = logs.head(f"{kind}/{name}")
+        except (OSError, ValueError):  # unreachable, or a name no key can have
+            entry = None
+        if entry is not None:
+            return entry.modified_us
     part = part_of_name(name)
     try:
         return partition_start_us(part) if part is not None else None
@@ -202,26 +206,27 @@ def _arrival_us(logs: Path | None, kind: str, name: str) -> int | None:
         return None
 
 
-def _retries(out: Path | None, pipeline: str, batch: int, epoch: int | None, now_us: int) -> dict[str, int] | None:
+def _retries(out: Store | None, pipeline: str, batch: int, epoch: int | None, now_us: int) -> dict[str, int] | None:
     """Clicks in the retry set the last committed batch left, and how many of them are due now (None: unknown,
     without the output folder)."""
     if batch == 0:
         return {"waiting": 0, "due": 0}  # no batch committed, so no retry set
     if out is None or epoch is None:
         return None
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from photon.joiner.common import batch_tag
 
-    folder = out / pipeline / "_state" / "retries" / batch_tag(batch, epoch)
-    parts = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
+    folder = f"{pipeline}/_state/retries/{batch_tag(batch, epoch)}"
+    parts = [e.key for e in out.files(folder) if e.key.endswith(".parquet")]
     if not parts:
         return {"waiting": 0, "due": 0}
-    due = pq.read_table(folder, columns=["due_us"])["due_us"].to_pylist()
-    return {"waiting": len(due), "due": sum(1 for d in due if d <= now_us)}
+    due = [pq.read_table(pa.BufferReader(out.get(key)), columns=["due_us"])["due_us"].to_pylist() for key in parts]
+    return {"waiting": sum(map(len, due)), "due": sum(1 for d in itertools.chain(*due) if d <= now_us)}
 
 
-def _tables(out: Path | None, pipeline: str, now_us: int) -> dict[str, dict[str, Any]] | None:
+def _tables(out: Store | None, pipeline: str, now_us: int) -> dict[str, dict[str, Any]] | None:
     """Per output table of the pipeline: its Delta version, last published batch (its txn version), files and bytes
     in the current snapshot, data files on disk (those of replaced or never-committed batches too, until maintenance
     vacuums them) and when it was last committed, and how long ago. One open of each table: its snapshot answers all
@@ -254,13 +259,17 @@ def _tables(out: Path | None, pipeline: str, now_us: int) -> dict[str, dict[str,
 def pipeline_status(
     main_dsn: str,
     *,
-    logs: Path | None = None,
-    out: Path | None = None,
+    logs: Path | Store | str | None = None,
+    out: Path | Store | str | None = None,
     pipelines: Iterable[str] = (),
     window_s: float = 300.0,
 ) -> list[dict[str, Any]]:
-    """One record per pipeline (all, or those named), ordered live first, then backfills, by name."""
+    """One record per pipeline (all, or those named), ordered live first, then backfills, by name. ``logs`` and
+    ``out``: folders or object stores."""
     from photon.joiner.discovery import history_left, start_marks
+
+    logs = None if logs is None else as_store(logs)
+    out = None if out is None else as_store(out)
 
     wanted = list(pipelines)
     with autocommit(main_dsn, guard=False) as conn, conn.cursor() as cur:  # read-only: diagnoses a refused server too
@@ -297,7 +306,7 @@ def pipeline_status(
                 cur,
                 pipeline,
                 now_us - int(window_s * US),
-                logs=None if logs is None or dc is None else logs / dc,
+                logs=None if logs is None or dc is None else logs.child(dc),
                 current=None if holder is None else (int(epoch), lease_at),
             )
             kind = "backfill" if pipeline.startswith(BACKFILL_PREFIX) else "live"
@@ -313,7 +322,7 @@ def pipeline_status(
                 for log_kind, since in zip(("queries", "clicks"), marks, strict=True):
                     start = int(start_us) if start_us is not None and log_kind == "clicks" else None
                     found, oldest_part, newest = _oldest_unconsumed(
-                        cur, pipeline, logs / dc / log_kind, log_kind, since, start
+                        cur, pipeline, logs.child(f"{dc}/{log_kind}"), log_kind, since, start
                     )
                     lag[log_kind] = (
                         None if found is None else {"file": found[0], "waiting_s": round(now_us / US - found[1], 3)}
@@ -330,7 +339,7 @@ def pipeline_status(
                 if live and start_us is not None:
                     pipelines_of_dc = [p for p, d in of_dc.items() if d == dc]
                     history = history_left(
-                        cur, logs / dc / "clicks", int(start_us), pipelines_of_dc, seal_s, since=history_since
+                        cur, logs.child(f"{dc}/clicks"), int(start_us), pipelines_of_dc, seal_s, since=history_since
                     )
             records.append(
                 {
