@@ -300,7 +300,7 @@ def registry_reshard_resume(
 
 @table_app.command("maintain")
 def table_maintain(
-    out: Annotated[Path, typer.Option(help="Output folder of the pipelines.")],
+    out: Annotated[str, typer.Option(help="Output of the pipelines: a folder, or s3://bucket/prefix.")],
     pipeline: Annotated[list[str] | None, typer.Option(help="Only this pipeline (repeatable); default: all.")] = None,
     retention_hours: Annotated[
         int,
@@ -316,8 +316,13 @@ def table_maintain(
     no commit names. Safe beside live pipelines and backfills (also the hourly DAG photon_table_maintenance)."""
     from photon.tools.maintenance import format_bytes, maintain
 
-    _folder(out, "--out")
-    report = maintain(out, pipeline, retention_hours=retention_hours, dry_run=dry_run, force=force)
+    report = maintain(
+        _store_or_folder(out, "--out", must_exist=True),
+        pipeline,
+        retention_hours=retention_hours,
+        dry_run=dry_run,
+        force=force,
+    )
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return

@@ -32,7 +32,9 @@ from photon.joiner.publish import publish_files
 from photon.logs import tables
 from photon.logs.ids import make_id
 from photon.logs.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, UNJOINABLE
-from photon.tools.maintenance import LOCK, MIN_RETENTION_HOURS, maintain
+from photon.storage import S3Store, Store
+from photon.tools import storage_server
+from photon.tools.maintenance import LOCK, MIN_RETENTION_HOURS, MaintenanceLockLost, StoreLock, maintain
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -62,20 +64,24 @@ def rows(pipeline: str, batch: int, n: int, hours: int = 2) -> pa.Table:
     return pa.table(cols, schema=JOINED_SCHEMA)
 
 
-def stage(root: Path, batch: int, n: int, epoch: int = 1) -> str:
+def _name(root: Path | Store) -> str:
+    return root.name if isinstance(root, Path) else root.url.rstrip("/").rpartition("/")[2]
+
+
+def stage(root: Path | Store, batch: int, n: int, epoch: int = 1) -> str:
     """Stage batch ``batch`` as a joiner's tasks do: data files in the table's folder, their adds under the stage
     (returned: its key under ``root``)."""
     folder = f"_staging/{batch_tag(batch, epoch)}"
-    tables.stage_rows(root, JOINED, folder, f"{batch_tag(batch, epoch)}-t0", rows(root.name, batch, n), batch)
+    tables.stage_rows(root, JOINED, folder, f"{batch_tag(batch, epoch)}-t0", rows(_name(root), batch, n), batch)
     return folder
 
 
-def publish(root: Path, batches: range, n: int = 5) -> None:
+def publish(root: Path | Store, batches: range, n: int = 5) -> None:
     """Batches committed and published as a lease does: staged, then published (the stage removed after)."""
     tables.ensure_tables(root)
     for k in batches:
         stage(root, k, n)
-        publish_files(root, root.name, k, 1)
+        publish_files(root, _name(root), k, 1)
 
 
 def joined(out: Path, pipeline: str = "dc-a") -> DeltaTable:
@@ -209,6 +215,71 @@ def test_two_maintenance_runs_at_once_keep_every_row_once(tmp_path: Path) -> Non
         ids = click_ids(joined(out))
         assert len(ids) == len(set(ids)) == 180 * (rnd + 1)
     assert (out / "dc-a" / LOCK).exists()
+
+
+def test_two_maintenance_runs_at_once_on_a_bucket_keep_every_row_once(
+    s3_server: storage_server.Server, bucket: str
+) -> None:
+    """The same race on an object store, where no flock exists: the runs take turns through the put-if-absent lock
+    (``StoreLock``); one compacts, the other finds it done; the lock's generations are released and pruned."""
+    out = S3Store(f"s3://{bucket}/out")
+    publish(out.child("dc-a"), range(1, 41), n=3)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "photon", "table", "maintain", "--out", out.url, "--json"],
+            env=env() | s3_server.env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    reports = [p.communicate(timeout=300) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], reports
+    compacted = sorted(json.loads(o)["tables"][0]["files_compacted"] for o, _ in reports)
+    assert compacted == [0, 80], reports
+    uri, options = out.delta_location("dc-a/joined")
+    dt = DeltaTable(uri, storage_options=options)
+    ids = click_ids(dt)
+    assert len(ids) == len(set(ids)) == 120 and dt.transaction_version("photon/dc-a") == 40
+    locks = sorted(e.key.rpartition("/")[2] for e in out.listing("dc-a/_maintenance"))
+    assert locks == ["lock-000000000001.json", "lock-000000000001.released"], locks
+
+
+def test_a_dead_run_s_lock_on_a_bucket_is_taken_over_after_its_lease_and_its_holder_stops_compacting(
+    s3_server: storage_server.Server, bucket: str
+) -> None:
+    """A run killed while holding the object store's lock never releases it: the next waits out the lease (by the
+    store's clock), then takes the next generation; the old holder, were it alive, starts no compaction since. And a
+    run past half its lease leaves its hours to the next run, saying so, with every row in place."""
+    root = S3Store(f"s3://{bucket}/out/dc-a")
+    dead = StoreLock(root, lease_s=3.0)
+    dead.acquire()
+    dead.check()  # within its lease, and nobody took over
+    t0 = time.monotonic()
+    taker = StoreLock(root, lease_s=3.0)
+    taker.acquire()
+    waited = time.monotonic() - t0
+    assert 3.0 + StoreLock.MARGIN_S - 1.0 <= waited < 30, waited  # the lease, plus the margin, by the store's clock
+    assert (dead.generation, taker.generation) == (0, 1)
+    with pytest.raises(MaintenanceLockLost):
+        dead.check()
+    taker.release()
+    t0 = time.monotonic()
+    after = StoreLock(root, lease_s=3.0)
+    after.acquire()  # released: at once
+    assert after.generation == 2 and time.monotonic() - t0 < 5
+    after.release()
+
+    out = S3Store(f"s3://{bucket}/out")
+    publish(out.child("dc-a"), range(1, 11), n=3)
+    report = maintain(out, lock_lease_s=0.001)  # past half its lease before its first compaction
+    assert [t.hours_left for t in report.tables if t.kind == JOINED] == [["2026092114", "2026092115"]]
+    assert sum(t.files_compacted for t in report.tables) == 0
+    report = maintain(out)
+    (t,) = [t for t in report.tables if t.kind == JOINED]
+    assert t.files_compacted == 20 and t.hours_left == [] and t.after.rows == 30
 
 
 def test_compactions_racing_a_publisher_commit_both_and_keep_every_batch_once(tmp_path: Path) -> None:

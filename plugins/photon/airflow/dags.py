@@ -513,13 +513,12 @@ def table_maintenance_dag() -> DAG:
 
         @task(task_id="maintain_tables")
         def run(out: str, **context: Any) -> dict[str, Any]:
-            from pathlib import Path
-
+            from photon.airflow.hooks import ObjectStoreHook
             from photon.tools.maintenance import maintain
 
             p = context["params"]
             report = maintain(
-                Path(out),
+                ObjectStoreHook().open(out),  # a folder or an s3:// URL
                 list(p["pipelines"]) or None,
                 retention_hours=int(p["retention_hours"]),
                 dry_run=bool(p["dry_run"]),

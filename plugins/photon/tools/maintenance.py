@@ -11,9 +11,11 @@ Why it is safe:
   publishers' appends in Delta's conflict check: an append adds files and removes none, so both commit (delta-rs
   retries the loser against the winner); two compactions of one hour conflict, and the loser tries again or leaves
   the hour to the next run. Except that delta-rs (1.6.6) lets two compactions of the same files both commit,
-  each adding its own copy of the rows: so maintenance runs hold a lock per pipeline (``LOCK``), and after each
-  compaction check that the hour still holds as many rows of the published batches as before
-  (``TableInvariantError`` if not). Nothing else may compact these tables.
+  each adding its own copy of the rows (it lets concurrent removes of the same files pass when they change no
+  data): so maintenance runs hold a lock per pipeline (``pipeline_lock``: ``flock`` on a folder, a lease of
+  put-if-absent objects on an object store, ``StoreLock``), and after each compaction check that the hour still
+  holds as many rows of the published batches as before (``TableInvariantError`` if not). Nothing else may compact
+  these tables.
 - A batch's data files exist before its commit (``photon.logs.tables``: written by its tasks before the registry
   commit, committed by ``publish_batch`` after). A file no commit names may therefore still be committed later, so
   vacuum never deletes one younger than the retention (at least ``MIN_RETENTION_HOURS``, far longer than any batch),
@@ -27,9 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
+import os
+import secrets
+import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +46,7 @@ import pyarrow.compute as pc
 from photon.joiner.publish import STAGING
 from photon.logs import tables
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
-from photon.storage import LocalStore
+from photon.storage import LocalStore, Store, as_store
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -54,11 +60,19 @@ TARGET_FILE_BYTES = 100 * 2**20  # Delta's default target for compaction (delta.
 COMPACT_ATTEMPTS = 5  # per hour, against another compaction of the same hour; then it waits for the next run
 LOG = "_delta_log"
 LOCK = ".maintenance.lock"  # <out>/<pipeline>/.maintenance.lock: held while a run maintains the pipeline's tables
+# On an object store: <out>/<pipeline>/_maintenance/lock-<n>.json (StoreLock)
+LOCK_DIR = "_maintenance"
+LOCK_LEASE_S = 600.0  # how long an object-store lock holds without its holder; a killed run's blocks the next this long
 log = logging.getLogger(__name__)
 
 
 class MaintenanceError(ValueError):
     """Bad input to maintenance (no such pipeline, a retention below the minimum): one line, nothing changed."""
+
+
+class MaintenanceLockLost(RuntimeError):
+    """A run's lease on a pipeline's tables (an object store's ``StoreLock``) ran out or was taken over: it started no
+    compaction since, and leaves the rest to the next run."""
 
 
 class TableInvariantError(RuntimeError):
@@ -133,53 +147,183 @@ def check_retention(retention_hours: int, force: bool) -> None:
 
 
 def maintain(
-    out: Path,
+    out: Path | Store | str,
     pipelines: Iterable[str] | None = None,
     retention_hours: int = DEFAULT_RETENTION_HOURS,
     dry_run: bool = False,
     force: bool = False,
     target_bytes: int = TARGET_FILE_BYTES,
+    lock_lease_s: float = LOCK_LEASE_S,
 ) -> MaintenanceReport:
-    """Maintain every table of ``pipelines`` (default: every pipeline) under ``out`` (``maintain_table``). With
-    ``dry_run`` report what would be compacted and vacuumed and change nothing."""
+    """Maintain every table of ``pipelines`` (default: every pipeline) under ``out`` (a folder or an object store;
+    ``maintain_table``). With ``dry_run`` report what would be compacted and vacuumed and change nothing.
+    ``lock_lease_s``: an object store's lock (``StoreLock``)."""
     check_retention(retention_hours, force)
-    if not out.is_dir():
-        raise MaintenanceError(f"--out {out} is not a folder")
-    names = sorted(set(pipelines)) if pipelines else tables.pipelines(out)
-    have = set(tables.pipelines(out))
+    store = as_store(out)
+    if isinstance(store, LocalStore) and not store.root.is_dir():
+        raise MaintenanceError(f"--out {store.root} is not a folder")
+    names = sorted(set(pipelines)) if pipelines else tables.pipelines(store)
+    have = set(tables.pipelines(store))
     missing = [n for n in names if n not in have]
     if missing:
-        raise MaintenanceError(f"no output table for pipeline {', '.join(missing)} under {out}; nothing was changed")
+        raise MaintenanceError(
+            f"no output table for pipeline {', '.join(missing)} under {store.url}; nothing was changed"
+        )
     start = time.monotonic()
     reports = []
     for name in names:
-        with pipeline_lock(out / name):
-            reports += [maintain_table(t, retention_hours, dry_run, target_bytes) for t in _kinds(out, name)]
-    return MaintenanceReport(str(out), retention_hours, dry_run, reports, time.monotonic() - start)
+        with pipeline_lock(store.child(name), lock_lease_s) as held:
+            reports += [maintain_table(t, retention_hours, dry_run, target_bytes, held) for t in _kinds(store, name)]
+    return MaintenanceReport(store.url, retention_hours, dry_run, reports, time.monotonic() - start)
 
 
-def _kinds(out: Path, name: str) -> list[tables.OutputTable]:
+def _kinds(out: Store, name: str) -> list[tables.OutputTable]:
     return [t for kind in KINDS for t in tables.tables(out, kind, [name])]
 
 
 @contextlib.contextmanager
-def pipeline_lock(root: Path) -> Iterator[None]:
+def pipeline_lock(root: Store, lease_s: float = LOCK_LEASE_S) -> Iterator[Callable[[], None]]:
     """Held while a run maintains the pipeline's tables at ``root``: a second run waits (two compactions of the same
-    files would both commit in delta-rs, each with a copy of the rows). Publishers never take it."""
-    with open(root / LOCK, "a") as fh:
+    files would both commit in delta-rs, each with a copy of the rows). Publishers never take it. Yields a check to
+    call before each compaction: it raises ``MaintenanceLockLost`` where the lock may no longer be this run's.
+
+    A folder's is ``flock`` on ``.maintenance.lock`` (the kernel releases it when the process dies: never stale). An
+    object store has no such lock: ``StoreLock``."""
+    if isinstance(root, LocalStore):
+        with open(root.root / LOCK, "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("table maintenance: waiting for another run maintaining %s", root.root)
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield lambda: None
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+        return
+    lock = StoreLock(root, lease_s)
+    lock.acquire()
+    try:
+        yield lock.check
+    finally:
+        lock.release()
+
+
+class StoreLock:
+    """Mutual exclusion between maintenance runs on an object store, from put-if-absent alone: a lease that no holder
+    renews, taken by generation.
+
+    1. The lock is ``_maintenance/lock-<n>.json``; its holder is whoever created generation ``n`` (put-if-absent:
+       one creator per ``n``). ``lock-<n>.released`` ends it.
+    2. To take it: list the generations; if none, or the newest is released, create the next one. If the newest is
+       held, wait until it is released, or until it is older than the lease plus ``MARGIN_S`` by the store's own
+       clock (its modification time against that of an object written now): its holder is then past its lease (the
+       holder's rule below) and the next generation may be created. A creation lost to another run: look again.
+    3. The holder starts no compaction once ``lease_s / 2`` has passed since before its creation (by this process's
+       monotonic clock; the store stamped the object after that moment), nor once generation ``n + 1`` exists. So
+       every compaction it starts has at least half the lease to commit before a successor may exist; a run with more
+       hours than that leaves them to the next run (``MaintenanceLockLost``, said in the report).
+
+    A run killed while holding it blocks the next runs for the lease (``LOCK_LEASE_S``, 10 minutes), never longer."""
+
+    MARGIN_S = 5.0  # S3 stamps objects to the second; clocks tick at nearly one rate
+    POLL_S = 2.0
+
+    def __init__(self, root: Store, lease_s: float = LOCK_LEASE_S):
+        self.root, self.lease_s = root, lease_s
+        self.generation: int | None = None
+        self.since = 0.0  # monotonic, before the generation's object was created
+
+    @staticmethod
+    def _key(n: int, suffix: str = ".json") -> str:
+        return f"{LOCK_DIR}/lock-{n:012d}{suffix}"
+
+    def _generations(self) -> tuple[int | None, bool, int | None]:
+        """(newest generation, whether it is released, its modification time in microseconds)."""
+        held: dict[int, int] = {}
+        released: set[int] = set()
+        for e in self.root.files(LOCK_DIR):
+            name = e.key.rpartition("/")[2]
+            stem, _, suffix = name.partition(".")
+            if not stem.startswith("lock-") or not stem[5:].isdigit():
+                continue
+            if suffix == "json":
+                held[int(stem[5:])] = e.modified_us
+            elif suffix == "released":
+                released.add(int(stem[5:]))
+        if not held:
+            return None, True, None
+        n = max(held)
+        return n, n in released, held[n]
+
+    def _store_now_us(self) -> int:
+        probe = f"{LOCK_DIR}/now-{secrets.token_hex(8)}"
+        self.root.put(probe, b"")
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("table maintenance: waiting for another run maintaining %s", root)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
+            entry = self.root.head(probe)
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            self.root.delete(probe)
+        if entry is None:
+            raise MaintenanceError(f"{self.root.location(probe)}: written, then not found: the store's clock unknown")
+        return entry.modified_us
+
+    def acquire(self) -> None:
+        said = False
+        while True:
+            n, released, modified_us = self._generations()
+            stale = (
+                not released
+                and modified_us is not None
+                and self._store_now_us() - modified_us > (self.lease_s + self.MARGIN_S) * 1e6
+            )
+            if released or stale:
+                nxt = 0 if n is None else n + 1
+                self.since = time.monotonic()
+                holder = {"host": socket.gethostname(), "pid": os.getpid(), "took_over": n if stale else None}
+                if self.root.put(self._key(nxt), json.dumps(holder).encode(), if_absent=True):
+                    self.generation = nxt
+                    if stale:
+                        log.warning(
+                            "table maintenance: took over the lock of %s from a run gone for %.0f s (generation %d)",
+                            self.root.url, self.lease_s, n,
+                        )  # fmt: skip
+                    return
+                continue  # another run created it first
+            if not said:
+                log.info("table maintenance: waiting for another run maintaining %s", self.root.url)
+                said = True
+            time.sleep(self.POLL_S)
+
+    def check(self) -> None:
+        """Before a compaction: raises ``MaintenanceLockLost`` unless the lock is surely still this run's."""
+        assert self.generation is not None
+        if time.monotonic() - self.since > self.lease_s / 2:
+            raise MaintenanceLockLost(
+                f"{self.root.url}: half of the maintenance lock's lease ({self.lease_s:.0f} s) has passed: no "
+                "compaction starts now; the next run takes the rest"
+            )
+        if self.root.head(self._key(self.generation + 1)) is not None:
+            raise MaintenanceLockLost(f"{self.root.url}: another run took over the maintenance lock")
+
+    def release(self) -> None:
+        if self.generation is None:
+            return
+        n, self.generation = self.generation, None
+        if self.root.head(self._key(n + 1)) is not None:
+            return  # taken over: it is not ours to release
+        self.root.put(self._key(n, ".released"), b"", if_absent=True)
+        for e in self.root.files(LOCK_DIR):  # the generations before: nothing reads them again
+            stem = e.key.rpartition("/")[2].partition(".")[0]
+            if stem.startswith("lock-") and stem[5:].isdigit() and int(stem[5:]) < n:
+                self.root.delete(e.key)
 
 
 def maintain_table(
-    t: tables.OutputTable, retention_hours: int, dry_run: bool = False, target_bytes: int = TARGET_FILE_BYTES
+    t: tables.OutputTable,
+    retention_hours: int,
+    dry_run: bool = False,
+    target_bytes: int = TARGET_FILE_BYTES,
+    still_held: Callable[[], None] = lambda: None,
 ) -> TableReport:
     """Maintain one pipeline's table of one kind, in four steps, each safe beside publishers appending:
 
@@ -204,7 +348,17 @@ def maintain_table(
     before = table_facts(t, dt)
     report = TableReport(t.pipeline, t.kind, before, before)
     # Step 1: compact, hour by hour.
+    lost: MaintenanceLockLost | None = None
     for hour, (small_files, small_bytes) in _hours_to_compact(dt, target_bytes).items():
+        if not dry_run and lost is None:
+            try:
+                still_held()
+            except MaintenanceLockLost as exc:
+                lost = exc
+                log.warning("table maintenance: %s", exc)
+        if lost is not None:
+            report.hours_left.append(hour)
+            continue
         if dry_run:  # what the compaction would replace, and (at least) the files it would write
             report.hours_compacted.append(hour)
             report.files_compacted += small_files
@@ -245,7 +399,7 @@ def maintain_table(
         report.after.published_batch is None or report.after.published_batch < before.published_batch
     ):
         raise TableInvariantError(
-            f"{t.path}: the published batch of {t.pipeline} went from {before.published_batch} to "
+            f"{t.uri}: the published batch of {t.pipeline} went from {before.published_batch} to "
             f"{report.after.published_batch} during maintenance"
         )
     report.seconds = time.monotonic() - start
@@ -276,7 +430,8 @@ def vacuum_unreferenced(
     if not candidates:
         return [], 0, 0
     # Step 2: spared.
-    staged = staged_paths(t.path.parent, t.kind)
+    folder = t.key.rpartition("/")[0]  # the pipeline's: "" where the table was opened at it (OutputTable.at)
+    staged = staged_paths(t.store.child(folder) if folder else t.store, t.kind)
     # Step 3: named by the newest snapshot.
     table.update_incremental()
     named = set(_relative_paths(table))
@@ -285,19 +440,20 @@ def vacuum_unreferenced(
     spared = sum(1 for p in candidates if p in staged and p not in named)
     size = 0
     for rel in doomed:
-        path = t.path / rel
-        with contextlib.suppress(FileNotFoundError):  # another maintenance run took it first
-            size += path.stat().st_size
-            if not dry_run:
-                path.unlink()
+        entry = t.store.head(f"{t.key}/{rel}")
+        if entry is None:
+            continue  # another maintenance run took it first
+        size += entry.size
+        if not dry_run:
+            t.store.delete(f"{t.key}/{rel}")
     return doomed, size, spared
 
 
-def staged_paths(root: Path, kind: str) -> set[str]:
+def staged_paths(root: Path | Store, kind: str) -> set[str]:
     """Paths (relative to the ``kind`` table) of the data files every stage folder of the pipeline at ``root``
     names: batches not published yet, committed to the registry or not."""
     found: set[str] = set()
-    for stage in LocalStore(root).folders(STAGING):
+    for stage in as_store(root).folders(STAGING):
         # a stage published and removed meanwhile lists nothing: its files are in the snapshot then
         found.update(a["path"] for a in tables.staged_adds(root, f"{STAGING}/{stage}").get(kind, []))
     return found
@@ -363,7 +519,7 @@ def _check_rows(t: tables.OutputTable, dt: DeltaTable, hour: str, published: int
     after = _published_rows(dt, hour, published)
     if after != before:
         raise TableInvariantError(
-            f"{t.path}: compacting hour {hour} changed the rows of batches up to {published} from {before} to {after} "
+            f"{t.uri}: compacting hour {hour} changed the rows of batches up to {published} from {before} to {after} "
             f"(version {dt.version()}); another process compacting this table? Stop it, restore the version before"
         )
 
