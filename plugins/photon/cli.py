@@ -710,6 +710,10 @@ def join_cmd(
             raise typer.Exit(stopper.status) from None
         except Exception as exc:
             if joiner.stopped_by is None:
+                # The batch failed: Spark stops first, so that the error is the last line said, not a line its
+                # executors' other tasks still log after it (a store gone mid-batch fails every task that reads it)
+                with contextlib.suppress(Exception):
+                    spark.stop()
                 raise
             # Stopped, and the batch failed meanwhile: a signal sent to the whole process group (systemd, `kill --
             # -PGID`) stops the Spark JVM too. A crash's case, uncommitted: released all the same, and said so.

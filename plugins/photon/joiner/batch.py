@@ -17,7 +17,6 @@ import pyarrow as pa
 
 from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag, code_fingerprint
 from photon.joiner.discovery import Discovery, _marks_before
-from photon.joiner.eventstore import index_rows
 from photon.joiner.publish import STAGING, STATE, publish_files, stage_key
 from photon.joiner.state import Lease, PipelineState
 from photon.joiner.tasks import CANDIDATE, JOIN_TASK, _join_task, _quarantine, _source_task, _Task, read_markers
@@ -212,11 +211,12 @@ class BatchRunner:
                     counts[name] += int(r[name])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
-        skipped, read = read_markers(self.root, stage)
+        markers = read_markers(self.root, stage)
+        skipped = markers.skipped
         changed = self._quarantine_changed(stage, tag, now, k)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
-        metrics["queries"] = index_rows(self.root, f"{stage}/eventstore")
+        metrics["queries"] = markers.indexed
         metrics["quarantined"] = staged_rows(self.root, stage, QUARANTINE)
         q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
         metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
@@ -234,7 +234,7 @@ class BatchRunner:
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
         self.publish(k, lease.epoch, k - lease.last_batch)
-        self.discovery.committed(files, read, changed, marks)  # consumed; behind the marks: forgotten
+        self.discovery.committed(files, markers.read, changed, marks)  # consumed; behind the marks: forgotten
         self.retry_key = f"retries/{t.tag}"
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)

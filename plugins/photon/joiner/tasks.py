@@ -278,26 +278,34 @@ def read_whole(
 
 
 def _write_read_marker(
-    root: Store, stage: str, name: str, skipped: list[list[str]], read: dict[str, list[Any]]
+    root: Store, stage: str, name: str, skipped: list[list[str]], read: dict[str, list[Any]], indexed: int
 ) -> None:
-    """What one stage-1 task tells the driver: files it left for a later batch, and each file's (size, tag, inode)
-    as read. A retried task's marker replaces its failed attempt's whole."""
-    root.put(f"{stage}/{READ_MARKERS}/{name}.json", json.dumps({"skipped": skipped, "read": read}).encode())
+    """What one stage-1 task tells the driver: files it left for a later batch, each file's (size, tag, inode) as
+    read, and how many queries it indexed. A retried task's marker replaces its failed attempt's whole."""
+    marker = {"skipped": skipped, "read": read, "indexed": indexed}
+    root.put(f"{stage}/{READ_MARKERS}/{name}.json", json.dumps(marker).encode())
 
 
-def read_markers(root: Path | Store, stage: str) -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple[Any, ...]]]:
-    """The driver's side of ``_write_read_marker``: ((kind, file) left for later, {(kind, file): (size, tag,
-    inode)})."""
+@dataclass
+class ReadMarkers:
+    """The driver's side of ``_write_read_marker``, over a batch's tasks."""
+
+    skipped: set[tuple[str, str]]  # (kind, file) left for a later batch
+    read: dict[tuple[str, str], tuple[Any, ...]]  # (kind, file): (size, tag, inode) as read
+    indexed: int  # queries indexed in the batch's staged EventStore (counted by its writers: never read back)
+
+
+def read_markers(root: Path | Store, stage: str) -> ReadMarkers:
     store = as_store(root)
-    skipped: set[tuple[str, str]] = set()
-    read: dict[tuple[str, str], tuple[Any, ...]] = {}
+    found = ReadMarkers(set(), {}, 0)
     for e in store.files(f"{stage}/{READ_MARKERS}"):
         if not e.key.endswith(".json"):
             continue
         marker = json.loads(store.get(e.key))
-        skipped.update((k, n) for k, n in marker["skipped"])
-        read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
-    return skipped, read
+        found.skipped.update((k, n) for k, n in marker["skipped"])
+        found.read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
+        found.indexed += int(marker.get("indexed", 0))
+    return found
 
 
 def _source_task(
@@ -385,10 +393,13 @@ def _source_task(
                     },
                     CANDIDATE,
                 ).to_batches()
+        indexed = 0
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
-            write_index(pa.concat_tables(stored), root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+            index = pa.concat_tables(stored)
+            write_index(index, root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+            indexed = index.num_rows
         if read or skipped:
-            _write_read_marker(root, stage, marker_name, skipped, read)
+            _write_read_marker(root, stage, marker_name, skipped, read, indexed)
 
     return run
 
