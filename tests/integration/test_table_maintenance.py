@@ -34,7 +34,15 @@ from photon.logs.ids import make_id
 from photon.logs.schemas import JOINED, JOINED_SCHEMA, QUARANTINE, UNJOINABLE
 from photon.storage import S3Store, Store
 from photon.tools import storage_server
-from photon.tools.maintenance import LOCK, MIN_RETENTION_HOURS, MaintenanceLockLost, StoreLock, maintain
+from photon.tools.maintenance import (
+    LOCK,
+    MIN_RETENTION_HOURS,
+    MaintenanceError,
+    MaintenanceLockLost,
+    StoreLock,
+    TableInvariantError,
+    maintain,
+)
 
 pytestmark = pytest.mark.integration
 US = 1_000_000
@@ -280,6 +288,101 @@ def test_a_dead_run_s_lock_on_a_bucket_is_taken_over_after_its_lease_and_its_hol
     report = maintain(out)
     (t,) = [t for t in report.tables if t.kind == JOINED]
     assert t.files_compacted == 20 and t.hours_left == [] and t.after.rows == 30
+
+
+def test_the_bucket_lock_holds_against_twin_records_a_stale_listing_and_names_that_are_no_lock(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three ways a reviewer broke ``StoreLock``, each once a duplicate in the table: (1) two runs whose records
+    were the same bytes (same host and pid: two containers) both "won" one generation, put-if-absent counting a key
+    that holds one's own bytes as one's own; (2) a run listing before others took, released and pruned generations
+    created a pruned one again and held it beside the holder of the newest; (3) names under ``_maintenance/`` that are
+    no generation: a released marker left from before (a second run then took the next generation at once), digits
+    that are not ASCII, and a key taken by a folder (acquire spun for ever)."""
+    import threading
+
+    monkeypatch.setattr(StoreLock, "POLL_S", 0.2)
+    monkeypatch.setattr("socket.gethostname", lambda: "twin")
+    monkeypatch.setattr("os.getpid", lambda: 1)
+    for k in range(3):  # (1)
+        root = S3Store(f"s3://{bucket}/twins{k}")
+        locks = [StoreLock(root, 60.0) for _ in range(2)]
+        go = threading.Barrier(2)
+        threads = [threading.Thread(target=lambda lk=lk, go=go: (go.wait(), lk.acquire()), daemon=True) for lk in locks]
+        for th in threads:
+            th.start()
+        time.sleep(1.5)
+        holders = [lk for lk in locks if lk.generation is not None]
+        assert len(holders) == 1, [lk.generation for lk in locks]
+        holders[0].release()
+        for th in threads:
+            th.join(10)
+        assert sorted(lk.generation if lk.generation is not None else -1 for lk in locks) == [-1, 1]
+
+    root = S3Store(f"s3://{bucket}/stale")  # (2)
+    for _ in range(3):
+        done = StoreLock(root, 60.0)
+        done.acquire()
+        done.release()
+    holder = StoreLock(root, 60.0)
+    holder.acquire()
+    assert holder.generation == 3
+    late = StoreLock(root, 60.0)
+    listings = iter([({}, set())])  # its first listing from before the others came and went
+    real = late._generations
+    monkeypatch.setattr(late, "_generations", lambda: next(listings, None) or real())
+    waiting = threading.Thread(target=late.acquire, daemon=True)
+    waiting.start()
+    time.sleep(1.5)
+    assert late.generation is None and waiting.is_alive()  # it created generation 0 again, and gave it up
+    holder.check()
+    holder.release()
+    waiting.join(10)
+    assert late.generation == 4
+    late.release()
+
+    root = S3Store(f"s3://{bucket}/junk")  # (3)
+    for name in ("lock-000000000000.released", "lock-\u00b2.json", "lock-\u0663.json", "lock-12.json", "notes"):
+        root.put(f"_maintenance/{name}", b"left here")
+    first = StoreLock(root, 60.0)
+    first.acquire()
+    assert first.generation == 0
+    second = StoreLock(root, 60.0)
+    said: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            second.acquire()
+        except MaintenanceError as exc:
+            said.append(exc)
+
+    taking = threading.Thread(target=take, daemon=True)
+    taking.start()
+    time.sleep(1.0)
+    assert second.generation is None, "a marker left from before released a live holder's generation"
+    root.put("_maintenance/lock-000000000001.json/x", b"a folder where the next generation goes")
+    first.release()
+    taking.join(10)
+    assert not taking.is_alive() and second.generation is None  # it gave up, in one line
+    assert [str(e) for e in said] == [
+        f"{root.url}/_maintenance/lock-000000000001.json: cannot be created, yet is no lock: remove what is there"
+    ]
+
+
+def test_a_table_holding_a_click_twice_is_never_compacted(tmp_path: Path) -> None:
+    """Two compactions that both committed (a holder paused past its lease: what no lease can stop) leave an hour's
+    rows twice; the one that saw it may have died before it checked. The next run finds the hour holding clicks twice
+    and stops, naming it, before compacting it (and counting the duplicates as the rows to keep)."""
+    out = tmp_path / "out"
+    publish(out / "dc-a", range(1, 4), n=2)
+    dt = joined(out)
+    again = dt.to_pyarrow_dataset().to_table(filter=ds.field("batch") == 2)
+    from deltalake import write_deltalake
+
+    write_deltalake(str(out / "dc-a" / JOINED), again, mode="append", partition_by=[tables.PARTITION])
+    with pytest.raises(TableInvariantError, match="holds 1 click\\(s\\) twice"):
+        maintain(out)
+    assert len(joined(out).file_uris()) == 8  # nothing compacted (3 batches and the copy, over 2 hours)
 
 
 def test_compactions_racing_a_publisher_commit_both_and_keep_every_batch_once(tmp_path: Path) -> None:

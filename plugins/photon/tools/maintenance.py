@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -213,48 +214,61 @@ class StoreLock:
     """Mutual exclusion between maintenance runs on an object store, from put-if-absent alone: a lease that no holder
     renews, taken by generation.
 
-    1. The lock is ``_maintenance/lock-<n>.json``; its holder is whoever created generation ``n`` (put-if-absent:
-       one creator per ``n``). ``lock-<n>.released`` ends it.
+    1. The lock is ``_maintenance/lock-<n>.json`` (``n`` 12 ASCII digits; other names are ignored); its holder is
+       whoever created generation ``n`` with a record no other run writes (a random token: put-if-absent counts a key
+       holding one's very bytes as one's own). ``lock-<n>.released`` holding that token ends it.
     2. To take it: list the generations; if none, or the newest is released, create the next one. If the newest is
        held, wait until it is released, or until it is older than the lease plus ``MARGIN_S`` by the store's own
        clock (its modification time against that of an object written now): its holder is then past its lease (the
-       holder's rule below) and the next generation may be created. A creation lost to another run: look again.
-    3. The holder starts no compaction once ``lease_s / 2`` has passed since before its creation (by this process's
-       monotonic clock; the store stamped the object after that moment), nor once generation ``n + 1`` exists. So
-       every compaction it starts has at least half the lease to commit before a successor may exist; a run with more
-       hours than that leaves them to the next run (``MaintenanceLockLost``, said in the report).
+       holder's rule below) and the next generation may be created. A creation lost to another run: look again. A
+       creation won on a stale listing (the generation was used and pruned while this run waited): a newer one
+       exists, so this one is given up (released) and the run looks again.
+    3. The holder starts no compaction (each attempt) once ``lease_s / 2`` has passed since before its creation (by
+       this process's monotonic clock; the store stamped the object after that moment), nor once any newer
+       generation exists. So every compaction it starts has at least half the lease to commit before a successor may
+       exist; a run with more hours than that leaves them to the next run (``MaintenanceLockLost``, in the report).
 
-    A run killed while holding it blocks the next runs for the lease (``LOCK_LEASE_S``, 10 minutes), never longer."""
+    What a lease cannot promise: a holder paused (SIGSTOP, a suspended VM) inside one compaction for longer than half
+    the lease commits it after its successor may have compacted the same hour; the row check after each compaction
+    (``TableInvariantError``) names it, and each run first checks that the hour holds no click twice. A run killed
+    while holding the lock blocks the next runs for the lease (``LOCK_LEASE_S``, 10 minutes), never longer."""
 
     MARGIN_S = 5.0  # S3 stamps objects to the second; clocks tick at nearly one rate
     POLL_S = 2.0
+    NAME = re.compile(r"lock-([0-9]{12})\.(json|released)")
 
     def __init__(self, root: Store, lease_s: float = LOCK_LEASE_S):
         self.root, self.lease_s = root, lease_s
         self.generation: int | None = None
+        self.token = ""
         self.since = 0.0  # monotonic, before the generation's object was created
 
     @staticmethod
     def _key(n: int, suffix: str = ".json") -> str:
         return f"{LOCK_DIR}/lock-{n:012d}{suffix}"
 
-    def _generations(self) -> tuple[int | None, bool, int | None]:
-        """(newest generation, whether it is released, its modification time in microseconds)."""
+    def _generations(self) -> tuple[dict[int, int], set[int]]:
+        """{generation: its object's modification time in microseconds}, and the released ones (of those)."""
         held: dict[int, int] = {}
         released: set[int] = set()
         for e in self.root.files(LOCK_DIR):
-            name = e.key.rpartition("/")[2]
-            stem, _, suffix = name.partition(".")
-            if not stem.startswith("lock-") or not stem[5:].isdigit():
+            m = self.NAME.fullmatch(e.key.rpartition("/")[2])
+            if m is None:
                 continue
-            if suffix == "json":
-                held[int(stem[5:])] = e.modified_us
-            elif suffix == "released":
-                released.add(int(stem[5:]))
-        if not held:
-            return None, True, None
-        n = max(held)
-        return n, n in released, held[n]
+            if m.group(2) == "json":
+                held[int(m.group(1))] = e.modified_us
+            else:
+                released.add(int(m.group(1)))
+        return held, released & set(held)
+
+    def _released(self, n: int) -> bool:
+        """Whether generation ``n`` was released by its holder: its marker names the generation's token (a marker
+        left from before, of a generation pruned and created again since, ends nothing)."""
+        try:
+            token = json.loads(self.root.get(self._key(n)))["token"]
+            return self.root.get(self._key(n, ".released")).decode() == token
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return False
 
     def _store_now_us(self) -> int:
         probe = f"{LOCK_DIR}/now-{secrets.token_hex(8)}"
@@ -269,26 +283,40 @@ class StoreLock:
 
     def acquire(self) -> None:
         said = False
+        refused = 0
         while True:
-            n, released, modified_us = self._generations()
-            stale = (
-                not released
-                and modified_us is not None
-                and self._store_now_us() - modified_us > (self.lease_s + self.MARGIN_S) * 1e6
-            )
-            if released or stale:
+            held, released = self._generations()
+            n = max(held, default=None)
+            done = n is not None and n in released and self._released(n)
+            stale = n is not None and not done and self._store_now_us() - held[n] > (self.lease_s + self.MARGIN_S) * 1e6
+            if n is None or done or stale:
                 nxt = 0 if n is None else n + 1
                 self.since = time.monotonic()
-                holder = {"host": socket.gethostname(), "pid": os.getpid(), "took_over": n if stale else None}
-                if self.root.put(self._key(nxt), json.dumps(holder).encode(), if_absent=True):
-                    self.generation = nxt
-                    if stale:
-                        log.warning(
-                            "table maintenance: took over the lock of %s from a run gone for %.0f s (generation %d)",
-                            self.root.url, self.lease_s, n,
-                        )  # fmt: skip
-                    return
-                continue  # another run created it first
+                self.token = secrets.token_hex(16)  # this run's bytes, and no other's
+                record = {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token}
+                record["took_over"] = n if stale else None
+                if not self.root.put(self._key(nxt), json.dumps(record).encode(), if_absent=True):
+                    refused += 1
+                    if refused >= 3 and nxt not in self._generations()[0]:
+                        # Refused, yet not listed as a generation: the key is taken by something else (a folder
+                        # of that name on some stores). Said, not retried for ever.
+                        raise MaintenanceError(
+                            f"{self.root.location(self._key(nxt))}: cannot be created, yet is no lock: remove what is"
+                            " there"
+                        )
+                    time.sleep(min(self.POLL_S, 0.05 * refused))
+                    continue  # another run created it first
+                if max(self._generations()[0], default=nxt) > nxt:  # created on a stale listing: not the lock
+                    self.root.put(self._key(nxt, ".released"), self.token.encode())
+                    continue
+                self.generation = nxt
+                if stale:
+                    log.warning(
+                        "table maintenance: took over the lock of %s from a run silent for over %.0f s (generation"
+                        " %d)",
+                        self.root.url, self.lease_s + self.MARGIN_S, n,
+                    )  # fmt: skip
+                return
             if not said:
                 log.info("table maintenance: waiting for another run maintaining %s", self.root.url)
                 said = True
@@ -302,19 +330,20 @@ class StoreLock:
                 f"{self.root.url}: half of the maintenance lock's lease ({self.lease_s:.0f} s) has passed: no "
                 "compaction starts now; the next run takes the rest"
             )
-        if self.root.head(self._key(self.generation + 1)) is not None:
+        if max(self._generations()[0], default=self.generation) > self.generation:
             raise MaintenanceLockLost(f"{self.root.url}: another run took over the maintenance lock")
 
     def release(self) -> None:
         if self.generation is None:
             return
         n, self.generation = self.generation, None
-        if self.root.head(self._key(n + 1)) is not None:
+        held, _ = self._generations()
+        if max(held, default=n) > n:
             return  # taken over: it is not ours to release
-        self.root.put(self._key(n, ".released"), b"", if_absent=True)
+        self.root.put(self._key(n, ".released"), self.token.encode())  # replaces a marker left from before
         for e in self.root.files(LOCK_DIR):  # the generations before: nothing reads them again
-            stem = e.key.rpartition("/")[2].partition(".")[0]
-            if stem.startswith("lock-") and stem[5:].isdigit() and int(stem[5:]) < n:
+            m = self.NAME.fullmatch(e.key.rpartition("/")[2])
+            if m is not None and int(m.group(1)) < n:
                 self.root.delete(e.key)
 
 
@@ -366,7 +395,15 @@ def maintain_table(
             continue
         published = dt.transaction_version(tables.app_id(t.pipeline))
         rows_before = _published_rows(dt, hour, published)
-        for _ in range(COMPACT_ATTEMPTS):
+        _check_once(t, dt, hour)
+        for attempt in range(COMPACT_ATTEMPTS):
+            if attempt and not dry_run:
+                try:
+                    still_held()  # each attempt, not only the first: a failed one may have taken long
+                except MaintenanceLockLost as exc:
+                    lost = exc
+                    log.warning("table maintenance: %s", exc)
+                    break
             try:
                 metrics = dt.optimize.compact(
                     partition_filters=[(tables.PARTITION, "=", hour)],
@@ -383,6 +420,8 @@ def maintain_table(
                 report.files_written += int(metrics["numFilesAdded"])
             break
         else:
+            report.hours_left.append(hour)
+        if lost is not None and hour not in report.hours_compacted + report.hours_left:
             report.hours_left.append(hour)
     if not dry_run:
         # Steps 2 and 3: checkpoint the newest version, then drop the log files it made unnecessary.
@@ -512,6 +551,22 @@ def _published_rows(dt: DeltaTable, hour: str, published: int | None) -> int:
         return 0
     where = (ds.field(tables.PARTITION) == hour) & (ds.field(tables.BATCH) <= published)
     return int(dt.to_pyarrow_dataset().count_rows(filter=where))
+
+
+def _check_once(t: tables.OutputTable, dt: DeltaTable, hour: str) -> None:
+    """Before compacting an hour of a ``joined`` table: no click in it twice (a pipeline joins a click once; two
+    compactions that both committed, one of them too late to see its own check fail, leave every row twice)."""
+    import pyarrow.dataset as ds
+
+    if t.kind != JOINED:
+        return
+    ids = dt.to_pyarrow_dataset().to_table(columns=["click_id"], filter=ds.field(tables.PARTITION) == hour)
+    if ids.num_rows != len(pc.unique(ids["click_id"])):
+        raise TableInvariantError(
+            f"{t.uri}: hour {hour} holds {ids.num_rows - len(pc.unique(ids['click_id']))} click(s) twice (version"
+            f" {dt.version()}); another process compacted this table? Stop it, restore the version before; nothing"
+            " was compacted"
+        )
 
 
 def _check_rows(t: tables.OutputTable, dt: DeltaTable, hour: str, published: int | None, before: int) -> None:
