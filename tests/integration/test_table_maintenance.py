@@ -364,8 +364,9 @@ def test_the_bucket_lock_holds_against_twin_records_a_stale_listing_and_names_th
     first.release()
     taking.join(10)
     assert not taking.is_alive() and second.generation is None  # it gave up, in one line
+    key = f"{root.url}/_maintenance/lock-000000000001.json"
     assert [str(e) for e in said] == [
-        f"{root.url}/_maintenance/lock-000000000001.json: cannot be created, yet is no lock: remove what is there"
+        f"{key}: cannot be created, yet is no lock: delete the key {key} and everything under {key}/"
     ]
 
 

@@ -210,6 +210,12 @@ def pipeline_lock(root: Store, lease_s: float = LOCK_LEASE_S) -> Iterator[Callab
         lock.release()
 
 
+def _clock() -> float:
+    """Seconds that keep counting while the machine is suspended (Linux's boot time; else monotonic): a lease ages
+    through a suspend, as its successor sees it by the store's clock."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class StoreLock:
     """Mutual exclusion between maintenance runs on an object store, from put-if-absent alone: a lease that no holder
     renews, taken by generation.
@@ -223,14 +229,16 @@ class StoreLock:
        holder's rule below) and the next generation may be created. A creation lost to another run: look again. A
        creation won on a stale listing (the generation was used and pruned while this run waited): a newer one
        exists, so this one is given up (released) and the run looks again.
-    3. The holder starts no compaction (each attempt) once ``lease_s / 2`` has passed since before its creation (by
-       this process's monotonic clock; the store stamped the object after that moment), nor once any newer
-       generation exists. So every compaction it starts has at least half the lease to commit before a successor may
-       exist; a run with more hours than that leaves them to the next run (``MaintenanceLockLost``, in the report).
+    3. The holder starts no compaction (checked right before each attempt) once ``lease_s / 2`` has passed since
+       before its creation (by this host's boot-time clock, which counts a suspend; the store stamped the object
+       after that moment), nor once any newer generation exists. So every compaction it starts has at least half the
+       lease to commit before a successor may exist; a run with more hours than that leaves them to the next run
+       (``MaintenanceLockLost``, in the report).
 
-    What a lease cannot promise: a holder paused (SIGSTOP, a suspended VM) inside one compaction for longer than half
-    the lease commits it after its successor may have compacted the same hour; the row check after each compaction
-    (``TableInvariantError``) names it, and each run first checks that the hour holds no click twice. A run killed
+    What a lease cannot promise: a holder paused (SIGSTOP, a suspended VM) inside one compaction, or one compaction
+    that runs longer than half the lease, commits after its successor may have compacted the same hour; the row
+    check after each compaction (``TableInvariantError``) names it, and each run first checks that the hour holds no
+    click twice. A run killed
     while holding the lock blocks the next runs for the lease (``LOCK_LEASE_S``, 10 minutes), never longer."""
 
     MARGIN_S = 5.0  # S3 stamps objects to the second; clocks tick at nearly one rate
@@ -291,21 +299,25 @@ class StoreLock:
             stale = n is not None and not done and self._store_now_us() - held[n] > (self.lease_s + self.MARGIN_S) * 1e6
             if n is None or done or stale:
                 nxt = 0 if n is None else n + 1
-                self.since = time.monotonic()
+                self.since = _clock()
                 self.token = secrets.token_hex(16)  # this run's bytes, and no other's
                 record = {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token}
                 record["took_over"] = n if stale else None
                 if not self.root.put(self._key(nxt), json.dumps(record).encode(), if_absent=True):
+                    if max(self._generations()[0], default=-1) >= nxt:
+                        refused = 0
+                        continue  # another run created it first
                     refused += 1
-                    if refused >= 3 and nxt not in self._generations()[0]:
+                    if refused >= 3:
                         # Refused, yet not listed as a generation: the key is taken by something else (a folder
                         # of that name on some stores). Said, not retried for ever.
+                        key = self.root.location(self._key(nxt))
                         raise MaintenanceError(
-                            f"{self.root.location(self._key(nxt))}: cannot be created, yet is no lock: remove what is"
-                            " there"
+                            f"{key}: cannot be created, yet is no lock: delete the key {key} and everything under"
+                            f" {key}/"
                         )
                     time.sleep(min(self.POLL_S, 0.05 * refused))
-                    continue  # another run created it first
+                    continue
                 if max(self._generations()[0], default=nxt) > nxt:  # created on a stale listing: not the lock
                     self.root.put(self._key(nxt, ".released"), self.token.encode())
                     continue
@@ -325,7 +337,7 @@ class StoreLock:
     def check(self) -> None:
         """Before a compaction: raises ``MaintenanceLockLost`` unless the lock is surely still this run's."""
         assert self.generation is not None
-        if time.monotonic() - self.since > self.lease_s / 2:
+        if _clock() - self.since > self.lease_s / 2:
             raise MaintenanceLockLost(
                 f"{self.root.url}: half of the maintenance lock's lease ({self.lease_s:.0f} s) has passed: no "
                 "compaction starts now; the next run takes the rest"
@@ -396,10 +408,10 @@ def maintain_table(
         published = dt.transaction_version(tables.app_id(t.pipeline))
         rows_before = _published_rows(dt, hour, published)
         _check_once(t, dt, hour)
-        for attempt in range(COMPACT_ATTEMPTS):
-            if attempt and not dry_run:
+        for _ in range(COMPACT_ATTEMPTS):
+            if not dry_run:
                 try:
-                    still_held()  # each attempt, not only the first: a failed one may have taken long
+                    still_held()  # right before each attempt: the reads before it, or a failed one, may take long
                 except MaintenanceLockLost as exc:
                     lost = exc
                     log.warning("table maintenance: %s", exc)
