@@ -573,9 +573,10 @@ def _check_once(t: tables.OutputTable, dt: DeltaTable, hour: str) -> None:
     if t.kind != JOINED:
         return
     ids = dt.to_pyarrow_dataset().to_table(columns=["click_id"], filter=ds.field(tables.PARTITION) == hour)
-    if ids.num_rows != len(pc.unique(ids["click_id"])):
+    twice = ids.num_rows - len(pc.unique(ids["click_id"]))
+    if twice:
         raise TableInvariantError(
-            f"{t.uri}: hour {hour} holds {ids.num_rows - len(pc.unique(ids['click_id']))} click(s) twice (version"
+            f"{t.uri}: hour {hour} holds {twice} click(s) twice (version"
             f" {dt.version()}); another process compacted this table? Stop it, restore the version before; nothing"
             " was compacted"
         )
