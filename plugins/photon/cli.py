@@ -461,8 +461,13 @@ def audit_cmd(
             help="Output holding one folder per pipeline: a folder, or s3://bucket/prefix (the AWS_* variables)."
         ),
     ],
-    logs: Annotated[Path | None, typer.Option(help="Input logs; their _manifest/ is used when present.")] = None,
-    manifest: Annotated[Path | None, typer.Option(help="Manifest folder (default: <logs>/_manifest).")] = None,
+    logs: Annotated[
+        str | None,
+        typer.Option(help="Input logs, a folder or s3://bucket/prefix; a folder's _manifest/ is used when present."),
+    ] = None,
+    manifest: Annotated[
+        Path | None, typer.Option(help="Manifest folder (default: <logs>/_manifest; with s3:// logs, give it).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     dcs: Annotated[
         str | None,
@@ -479,10 +484,9 @@ def audit_cmd(
     from photon.tools.audit import audit, print_audit
 
     target = _store_or_folder(out, "--out", must_exist=True)
-    if logs is not None:
-        _folder(logs, "--logs")
-    if manifest is None and logs is not None and (logs / MANIFEST_DIR / "clicks.parquet").exists():
-        manifest = logs / MANIFEST_DIR
+    source = None if logs is None else _store_or_folder(logs, "--logs", must_exist=True)
+    if manifest is None and isinstance(source, Path) and (source / MANIFEST_DIR / "clicks.parquet").exists():
+        manifest = source / MANIFEST_DIR
     spark = None
     if manifest is None:
         if logs is None:
@@ -491,7 +495,7 @@ def audit_cmd(
 
         spark = get_spark("photon-audit")
     ran = None if dcs is None else [d.strip() for d in dcs.split(",") if d.strip()]
-    report = audit(open_store(target), manifest=manifest, logs=logs, spark=spark, ran=ran)
+    report = audit(open_store(target), manifest=manifest, logs=source, spark=spark, ran=ran)
     if as_json:
         typer.echo(report.to_json())
     else:

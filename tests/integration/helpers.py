@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,7 @@ import psycopg2.extensions
 from photon.logs.ids import EventKeys
 from photon.registry.client import IdRegistry, RegistryOptions
 from photon.registry.owners import create_owner
+from photon.storage import open_store
 
 
 def keys_from(ts: np.ndarray, src: np.ndarray) -> EventKeys:
@@ -127,3 +130,12 @@ class CommitCuttingProxy:
         finally:
             client.close()
             server.close()
+
+
+def to_bucket(folder: Path, url: str) -> None:
+    """Every file under ``folder`` as an object under ``url``, at the same relative key."""
+    store = open_store(url)
+    for top, _, names in os.walk(folder, followlinks=True):  # a data center's folder may be a link
+        for name in sorted(names):
+            path = Path(top) / name
+            store.put(path.relative_to(folder).as_posix(), path.read_bytes())

@@ -23,9 +23,11 @@ from photon.joiner.common import JoinSettings
 from photon.joiner.lease import Joiner
 from photon.logs.schemas import UNJOINABLE_SCHEMA
 from photon.logs.tables import OutputTableError
+from photon.storage import open_store
 from photon.tools.audit import audit, input_from_logs, print_audit
 from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.audit_fixtures import late_in_one_replica, perfect_output, pipeline_output, read, rewrite
+from tests.integration.helpers import to_bucket
 from tests.integration.test_joiner import make_logs
 from tests.nemesis import checker
 
@@ -336,3 +338,36 @@ def test_unjoinable_records_of_clicks_another_pipeline_joined_are_counted(
 
 
 MakeDb = Callable[[], str]
+
+
+def test_logs_in_a_bucket_are_read_as_the_same_folder_is(logs: Path, out: Path, spark: Any, bucket: str) -> None:
+    """Without a manifest the audit reads the logs themselves: from a bucket, the same valid clicks and the same
+    malformed lines per file as from the folder; and `photon audit --logs s3://...` with the manifest passes."""
+    to_bucket(logs, f"s3://{bucket}/logs")
+    clicks, files = input_from_logs(logs, spark)
+    remote_clicks, remote_files = input_from_logs(open_store(f"s3://{bucket}/logs"), spark)
+    assert sorted(remote_clicks["click_id"].to_pylist()) == sorted(clicks["click_id"].to_pylist())
+    assert sorted(remote_files.to_pylist(), key=str) == sorted(files.to_pylist(), key=str) and files.num_rows
+    r = audit(out, logs=f"s3://{bucket}/logs", spark=spark)
+    assert r.ok and r.source == "logs" and r.input_clicks == clicks.num_rows, r.failures()
+    cli = CliRunner().invoke(
+        app, ["audit", "--out", str(out), "--logs", f"s3://{bucket}/logs", "--manifest", str(logs / "_manifest")]
+    )
+    assert cli.exit_code == 0 and "PASS" in cli.output, cli.output
+    missing = CliRunner().invoke(app, ["audit", "--out", str(out), "--logs", f"s3://{bucket}-gone/logs"])
+    # One line before Spark starts (cli.main prints the StorageError as "error: ...")
+    assert missing.exit_code != 0 and f"the bucket '{bucket}-gone' does not exist" in str(missing.exception)
+
+
+def test_a_manifest_apart_from_logs_in_a_bucket_reads_its_query_files_there(
+    dc_a_alone: tuple[Path, Path, set[str]], bucket: str, tmp_path: Path
+) -> None:
+    """With the logs in a bucket the manifest is a folder of its own (the generator's --manifest): which replica had
+    a lost click's query in time is read from the query files in the bucket, not from beside the manifest."""
+    logs, out, late = dc_a_alone
+    to_bucket(logs, f"s3://{bucket}/logs")
+    manifest = shutil.copytree(logs / "_manifest", tmp_path / "manifest-alone")
+    r = audit(out, manifest=manifest, logs=f"s3://{bucket}/logs")
+    assert r.lost == r.still_joinable == len(late) and r.joinable_by == {"dc-b": len(late)}, r.failures()
+    told = audit(out, manifest=manifest, logs=f"s3://{bucket}/logs", ran=["dc-a"])
+    assert told.ok and told.still_joinable == len(late)

@@ -24,9 +24,11 @@ from photon.logs import tables
 from photon.logs.layout import partition_of
 from photon.logs.parse import parse_file
 from photon.logs.schemas import JOINED_SCHEMA
+from photon.storage import open_store
 from photon.tools.generator import GeneratorSettings, generate
 from photon.tools.quality import NotSettled, QualityInputError, QualitySettings, check_quality
 from tests.integration.audit_fixtures import perfect_output
+from tests.integration.helpers import to_bucket
 
 US = 1_000_000
 HOUR = 3600 * US
@@ -751,3 +753,92 @@ def test_concurrent_runs_on_different_and_the_same_hours_all_succeed(tmp_path: P
 
 
 EMPTY_OK: dict[str, Any] = {"allow_empty": True}
+
+
+# -- on an object store ------------------------------------------------------------------------------------------
+
+
+JUDGED = ("success", "failed", "joined", "unjoinable", "quarantined", "quarantine_unattributed", "input_clicks")
+JUDGED += ("input_files", "no_outcome", "joined_more_than_once", "samples", "history", "backfilled")
+
+
+def test_output_and_logs_in_a_bucket_are_judged_as_in_folders(bucket: str, tmp_path: Path) -> None:
+    """The same hour, its output and logs in folders and copied into a bucket, judged alike (a duplicate, a click
+    without outcome, quarantined lines attributed by their log file); the bucket's Data Docs are objects under
+    ``<out>/_quality/data_docs`` and a second run's index lists the first's results; nothing is written beside the
+    process. A committed data file gone from the bucket: an error, not an hour judged."""
+    w = World()
+    _duplicate(w)
+    w.joined.pop(7)  # a click of the input without outcome
+    out, logs = w.write(tmp_path)
+    local = check_quality(out, logs, START, END)
+    assert not local.success and local.joined_more_than_once == 1 and local.no_outcome == 1 and local.quarantined
+    to_bucket(out, f"s3://{bucket}/out")
+    to_bucket(logs, f"s3://{bucket}/logs")
+    shutil.rmtree(out / "_quality")
+    cwd = set(Path.cwd().iterdir())
+    remote = check_quality(f"s3://{bucket}/out", f"s3://{bucket}/logs", START, END)
+    assert {k: getattr(remote, k) for k in JUDGED} == {k: getattr(local, k) for k in JUDGED}
+    assert remote.docs_index == f"s3://{bucket}/out/_quality/data_docs/index.html"
+    assert remote.output_files_read == local.output_files_read and remote.quarantine_files_read
+    store = open_store(f"s3://{bucket}/out")
+    later = check_quality(
+        f"s3://{bucket}/out", f"s3://{bucket}/logs", END + HOUR, END + 2 * HOUR, QualitySettings(**EMPTY_OK)
+    )
+    assert later.success
+    index = store.get("_quality/data_docs/index.html").decode()
+    assert set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index)) == {
+        f"{datetime.fromtimestamp(h / US, UTC):%Y-%m-%dT%H}" for h in (START, END + HOUR)
+    }
+    pages = [e.key for e in store.listing("_quality/data_docs/validations")]
+    assert len(pages) == 6, pages  # three suites, two hours
+    assert any(e.key.endswith(".js") for e in store.listing("_quality/data_docs/static/vendor"))  # offline assets
+    assert not (out / "_quality").exists() and set(Path.cwd().iterdir()) == cwd
+    # The lock's generations before the last are pruned; the last is released.
+    held = sorted(e.key.rpartition("/")[2] for e in store.files("_quality/_lock"))
+    assert held == ["lock-000000000001.json", "lock-000000000001.released"], held
+
+    gone = next(e.key for e in store.listing("dc-a/joined") if e.key.endswith(".parquet"))
+    store.delete(gone)
+    with pytest.raises(QualityInputError, match="unreadable"):
+        check_quality(f"s3://{bucket}/out", f"s3://{bucket}/logs", START, END)
+
+
+def test_concurrent_runs_on_a_bucket_all_publish(bucket: str, tmp_path: Path) -> None:
+    """Three processes at once on one bucket (two hours, one twice): each passes, and the index in the bucket lists
+    both hours; the index built after keeps to the newest ``index_results`` though every result is in the bucket."""
+    import subprocess
+    import sys
+
+    out, logs = World().write(tmp_path)
+    to_bucket(out, f"s3://{bucket}/out")
+    to_bucket(logs, f"s3://{bucket}/logs")
+    hours = [START, START, END + HOUR]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = RUN_ONE.replace("Path(sys.argv[1]), Path(sys.argv[2])", "sys.argv[1], sys.argv[2]")
+    where = [f"s3://{bucket}/out", f"s3://{bucket}/logs"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *where, str(h), str(h + HOUR), json.dumps(EMPTY_OK if h != START else {})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for h in hours
+    ]
+    done = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    for code, stdout, stderr in done:
+        assert code == 0, stderr[-3000:] + stdout
+    store = open_store(f"s3://{bucket}/out")
+    index = store.get("_quality/data_docs/index.html").decode()
+    assert set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index)) == {
+        f"{datetime.fromtimestamp(h / US, UTC):%Y-%m-%dT%H}" for h in (START, END + HOUR)
+    }
+    check_quality(*where, END + 2 * HOUR, END + 3 * HOUR, QualitySettings(index_results=4, **EMPTY_OK))
+    index = store.get("_quality/data_docs/index.html").decode()
+    listed = re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index)
+    newest, before = (f"{datetime.fromtimestamp((END + k * HOUR) / US, UTC):%Y-%m-%dT%H}" for k in (2, 1))
+    assert sorted(listed) == [before] + [newest] * 3, listed
+    results = [e.key for e in store.listing("_quality/gx/uncommitted/validations") if e.key.endswith(".json")]
+    assert len(results) == 9, results  # three hours' results, all kept

@@ -227,17 +227,17 @@ def backfill_dag() -> DAG:
 
 
 def data_quality_dag() -> DAG:
-    """A Great Expectations checkpoint over every pipeline's output for the clicks of one hour, run when
-    photon_finality declares the hour final (an event of ``photon://final/hourly``; one checkpoint task per hour the
-    run's events name), or by hand for the hour the ``hour`` param names (default: the hour before the run's
-    logical date). The task fails when the checkpoint fails; its summary goes to XCom (``return_value`` when it
-    passes, ``summary`` either way); Data Docs in ``<out>/_quality/data_docs``. Completeness: every well-formed click
-    of the hour's click files has exactly one outcome. A manual run of an hour that has not settled by this host's
-    clock (``settle_margin_s`` past the joiners' deadlines) is retried, neither passed nor failed; a final hour has
-    settled by definition. Latency is judged for clicks joined live only; quarantined lines count for the interval of
-    their log file (read from the logs), so a backfilled hour is judged like a live one; an hour without input fails
-    unless ``allow_empty``; rates over fewer than ``min_rate_denominator`` are reported, not judged (see
-    ``photon.tools.quality``)."""
+    """A Great Expectations checkpoint over every pipeline's output for the clicks of one hour, run when photon_finality
+    declares the hour final (an event of ``photon://final/hourly``; one checkpoint task per hour the run's events
+    name), or by hand for the hour the ``hour`` param names (default: the hour before the run's logical date). The
+    task fails when the checkpoint fails; its summary goes to XCom (``return_value`` when it passes, ``summary``
+    either way); Data Docs in ``<out>/_quality/data_docs`` (a folder, or objects in the bucket). Completeness: every
+    well-formed click of the hour's click files has exactly one outcome. A manual run of an hour that has not
+    settled by this host's clock (``settle_margin_s`` past the joiners' deadlines) is retried, neither passed nor
+    failed; a final hour has settled by definition. Latency is judged for clicks joined live only; quarantined lines
+    count for the interval of their log file (read from the logs), so a backfilled hour is judged like a live one;
+    an hour without input fails unless ``allow_empty``; rates over fewer than ``min_rate_denominator`` are reported,
+    not judged (see ``photon.tools.quality``)."""
     with _dag(
         dag_id="photon_data_quality",
         description="Photon data quality: a GX checkpoint per final hour, with Data Docs",
@@ -308,10 +308,10 @@ def data_quality_dag() -> DAG:
         @task(task_id="checkpoint")
         def checkpoint(interval: dict[str, Any], logs: str, out: str, **context: Any) -> dict[str, Any]:
             import time
-            from pathlib import Path
 
             from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+            from photon.airflow.hooks import ObjectStoreHook
             from photon.tools.quality import NotSettled, QualitySettings, check_quality
 
             p = context["params"]
@@ -332,7 +332,8 @@ def data_quality_dag() -> DAG:
             # A declared hour is judged now: finality (read from the registry) is what the settle time guesses at.
             now = max(now, settings.settled_at_us(end)) if interval["declared_final"] else now
             try:
-                result = check_quality(Path(out), Path(logs), start, end, settings, now_us=now)
+                store = ObjectStoreHook()  # folders, or s3:// URLs reached with the photon_storage connection
+                result = check_quality(store.open(out), store.open(logs), start, end, settings, now_us=now)
             except NotSettled as exc:  # neither pass nor fail: the retry asks again
                 raise AirflowException(f"data-quality checkpoint not run: {exc}") from exc
             summary = result.summary()

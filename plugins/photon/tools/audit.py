@@ -160,11 +160,13 @@ def audit(
     out: Path | Store,
     *,
     manifest: Path | None = None,
-    logs: Path | None = None,
+    logs: Path | Store | str | None = None,
     spark: Any = None,
     ran: Sequence[str] | None = None,
 ) -> AuditReport:
-    """Audit ``out`` against a manifest folder, or against the input logs under ``logs`` (needs Spark). ``ran``: the
+    """Audit ``out`` against a manifest folder, or against the input logs under ``logs`` (a folder or a store; needs
+    Spark). With a manifest, ``logs`` is where its query files are read when a lost click's replicas must be told
+    apart (default: the manifest's parent folder, where the generator puts it beside the logs). ``ran``: the
     data centers whose pipelines ran, all of them (default: those with a pipeline folder under ``out``); a lost click
     only another data center could still join is then pending there, not lost."""
     pipelines = pipelines_in(out)
@@ -180,7 +182,7 @@ def audit(
         files = pq.read_table(manifest / "files.parquet", columns=["dc", "kind", "name", "malformed"])
         source = "manifest"
     elif logs is not None:
-        clicks, files = input_from_logs(logs, spark)
+        clicks, files = input_from_logs(as_store(logs), spark)
         source = "logs"
     else:
         raise ValueError("audit needs a manifest or the input logs")
@@ -229,7 +231,9 @@ def audit(
     not_run = [dc for dc in report.data_centers if dc not in report.data_centers_run]
     if manifest is not None and not_run and (lost & must_join).any():
         candidates = np.flatnonzero(lost & must_join)
-        in_time = _in_time_by_replica(manifest, clicks.take(pa.array(candidates)), report.data_centers)
+        in_time = _in_time_by_replica(
+            manifest, clicks.take(pa.array(candidates)), report.data_centers, as_store(logs or manifest.parent)
+        )
         # Only a click no data center that ran could join (its replica had the query late): one that ran had it in
         # time and lost it, which is that pipeline's loss whoever else might still join it (EVENTS.md).
         none_ran = np.ones(len(candidates), dtype=bool)
@@ -299,7 +303,7 @@ def _manifest_settings(manifest: Path) -> dict[str, float]:
     }
 
 
-def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str]) -> dict[str, np.ndarray]:
+def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str], logs: Store) -> dict[str, np.ndarray]:
     """For each data center in ``dcs``: which of ``clicks`` its replica had the query of in time, its file having
     arrived there at least the boundary margin before the click's deadline (the manifest's rule for ``join``, per
     replica).
@@ -311,7 +315,6 @@ def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str]) -> dic
     are read (from any replica: they hold the same files), and a replica had the query at the earliest arrival
     there of any file holding it (``files.parquet``)."""
     st = _manifest_settings(manifest)
-    logs = manifest.parent
     us = 1_000_000
     files = pq.read_table(manifest / "files.parquet", columns=["dc", "kind", "name", "close_us", "arrival_us"])
     files = files.filter(pc.equal(files["kind"], "queries")).to_pylist()
@@ -339,11 +342,13 @@ def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str]) -> dic
     files_of: dict[str, list[str]] = {}
     for base, qids in wanted.items():
         for dc, (name, _) in where[base].items():
-            path = logs / dc / "queries" / name
-            if path.is_file():
-                for q in _query_ids_in(path, set(qids)):
-                    files_of.setdefault(q, []).append(base)
-                break
+            try:
+                body = logs.get(f"{dc}/queries/{name}")
+            except FileNotFoundError:
+                continue
+            for q in _query_ids_in(body, set(qids)):
+                files_of.setdefault(q, []).append(base)
+            break
     deadline = clicks["click_ts_us"].to_numpy() + int((st["max_join_delay_s"] - st["boundary_margin_s"]) * us)
     out = {}
     for dc in dcs:
@@ -356,10 +361,10 @@ def _in_time_by_replica(manifest: Path, clicks: pa.Table, dcs: list[str]) -> dic
     return out
 
 
-def _query_ids_in(path: Path, ids: set[str]) -> set[str]:
-    """Which of ``ids`` have a well-formed line (a JSON object with that ``query_id``) in the query file."""
+def _query_ids_in(body: bytes, ids: set[str]) -> set[str]:
+    """Which of ``ids`` have a well-formed line (a JSON object with that ``query_id``) in the query file ``body``."""
     found = set()
-    for line in path.read_bytes().split(b"\n"):
+    for line in body.split(b"\n"):
         m = _QUERY_ID.search(line)
         if m is None or m.group(1).decode("utf-8", "replace") not in ids:
             continue  # a quick look first: only a line naming a wanted id is parsed
@@ -435,10 +440,27 @@ _AD = r"^[A-Za-z0-9_.:-]{1,64}$"
 _MAX_LINE = 1 << 20
 
 
-def input_from_logs(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
-    """Valid clicks (deduplicated, every replica) and malformed lines per file, read with Spark."""
+def input_from_logs(logs: Path | Store, spark: Any) -> tuple[pa.Table, pa.Table]:
+    """Valid clicks (deduplicated, every replica) and malformed lines per file, read with Spark. Logs in an object
+    store are copied into a temporary folder first (their closed files, at the same paths), so that Spark's text
+    reader reads them as it reads a folder: the reading, line splits included, is the same."""
     if spark is None:
         raise ValueError("auditing from the logs needs a SparkSession")
+    store = as_store(logs)
+    if isinstance(store, LocalStore):
+        return _input_from_folder(store.root, spark)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="photon-audit-") as tmp:
+        for e in store.listing():
+            if e.key.endswith(".jsonl") and e.key.split("/")[0][:1] not in "_." and len(e.key.split("/")) >= 3:
+                path = Path(tmp) / e.key
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(store.get(e.key))
+        return _input_from_folder(Path(tmp), spark)
+
+
+def _input_from_folder(logs: Path, spark: Any) -> tuple[pa.Table, pa.Table]:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 

@@ -220,7 +220,8 @@ class StoreLock:
     """Mutual exclusion between maintenance runs on an object store, from put-if-absent alone: a lease that no holder
     renews, taken by generation.
 
-    1. The lock is ``_maintenance/lock-<n>.json`` (``n`` 12 ASCII digits; other names are ignored); its holder is
+    1. The lock is ``<folder>/lock-<n>.json`` (``_maintenance`` for table maintenance, ``_lock`` in ``_quality`` for
+       the data-quality check's publishing; ``n`` 12 ASCII digits; other names are ignored); its holder is
        whoever created generation ``n`` with a record no other run writes (a random token: put-if-absent counts a key
        holding one's very bytes as one's own). ``lock-<n>.released`` holding that token ends it.
     2. To take it: list the generations; if none, or the newest is released, create the next one. If the newest is
@@ -245,21 +246,23 @@ class StoreLock:
     POLL_S = 2.0
     NAME = re.compile(r"lock-([0-9]{12})\.(json|released)")
 
-    def __init__(self, root: Store, lease_s: float = LOCK_LEASE_S):
+    def __init__(
+        self, root: Store, lease_s: float = LOCK_LEASE_S, folder: str = LOCK_DIR, purpose: str = "table maintenance"
+    ):
         self.root, self.lease_s = root, lease_s
+        self.folder, self.purpose = folder, purpose  # the data-quality check's publishing takes one too
         self.generation: int | None = None
         self.token = ""
         self.since = 0.0  # monotonic, before the generation's object was created
 
-    @staticmethod
-    def _key(n: int, suffix: str = ".json") -> str:
-        return f"{LOCK_DIR}/lock-{n:012d}{suffix}"
+    def _key(self, n: int, suffix: str = ".json") -> str:
+        return f"{self.folder}/lock-{n:012d}{suffix}"
 
     def _generations(self) -> tuple[dict[int, int], set[int]]:
         """{generation: its object's modification time in microseconds}, and the released ones (of those)."""
         held: dict[int, int] = {}
         released: set[int] = set()
-        for e in self.root.files(LOCK_DIR):
+        for e in self.root.files(self.folder):
             m = self.NAME.fullmatch(e.key.rpartition("/")[2])
             if m is None:
                 continue
@@ -279,7 +282,7 @@ class StoreLock:
             return False
 
     def _store_now_us(self) -> int:
-        probe = f"{LOCK_DIR}/now-{secrets.token_hex(8)}"
+        probe = f"{self.folder}/now-{secrets.token_hex(8)}"
         self.root.put(probe, b"")
         try:
             entry = self.root.head(probe)
@@ -324,13 +327,13 @@ class StoreLock:
                 self.generation = nxt
                 if stale:
                     log.warning(
-                        "table maintenance: took over the lock of %s from a run silent for over %.0f s (generation"
-                        " %d)",
+                        "%s: took over the lock of %s from a run silent for over %.0f s (generation %d)",
+                        self.purpose,
                         self.root.url, self.lease_s + self.MARGIN_S, n,
                     )  # fmt: skip
                 return
             if not said:
-                log.info("table maintenance: waiting for another run maintaining %s", self.root.url)
+                log.info("%s: waiting for another run holding the lock of %s", self.purpose, self.root.url)
                 said = True
             time.sleep(self.POLL_S)
 
@@ -339,11 +342,11 @@ class StoreLock:
         assert self.generation is not None
         if _clock() - self.since > self.lease_s / 2:
             raise MaintenanceLockLost(
-                f"{self.root.url}: half of the maintenance lock's lease ({self.lease_s:.0f} s) has passed: no "
-                "compaction starts now; the next run takes the rest"
+                f"{self.root.url}: half of the {self.purpose} lock's lease ({self.lease_s:.0f} s) has passed: no "
+                "step starts now; the next run takes the rest"
             )
         if max(self._generations()[0], default=self.generation) > self.generation:
-            raise MaintenanceLockLost(f"{self.root.url}: another run took over the maintenance lock")
+            raise MaintenanceLockLost(f"{self.root.url}: another run took over the {self.purpose} lock")
 
     def release(self) -> None:
         if self.generation is None:
@@ -353,7 +356,7 @@ class StoreLock:
         if max(held, default=n) > n:
             return  # taken over: it is not ours to release
         self.root.put(self._key(n, ".released"), self.token.encode())  # replaces a marker left from before
-        for e in self.root.files(LOCK_DIR):  # the generations before: nothing reads them again
+        for e in self.root.files(self.folder):  # the generations before: nothing reads them again
             m = self.NAME.fullmatch(e.key.rpartition("/")[2])
             if m is not None and int(m.group(1)) < n:
                 self.root.delete(e.key)

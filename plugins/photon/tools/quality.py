@@ -33,8 +33,10 @@ Each check means the same on a live hour and on one backfilled a week later:
 
 The GX project lives in ``<out>/_quality/gx`` and the Data Docs site (HTML) in ``<out>/_quality/data_docs``; both
 folders start with ``_`` so no reader of the output takes them for a pipeline. A run validates in an in-memory GX
-context of its own and then, one run at a time (``_publish_lock``), stores its results in the project and builds
-their pages and the index: runs at once (Airflow's, one per hour) share no GX state while they validate. GX's
+context of its own and then, one run at a time (``_project``), stores its results in the project and builds
+their pages and the index: runs at once (Airflow's, one per hour) share no GX state while they validate. On an
+object store the output and the logs are read through it and the project is published through a temporary folder
+under a lock in the bucket (``_project``); the site's pages are then objects under ``<out>/_quality/data_docs/``. GX's
 logging is kept to warnings and its progress bars are off; the check logs one line per failed expectation
 (``photon.tools.quality``).
 
@@ -76,7 +78,7 @@ from photon.logs.layout import MINUTE_US, data_center_of, partition_of, partitio
 from photon.logs.parse import parse_file_located
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.settings import time_bound_s
-from photon.storage import Store, as_store
+from photon.storage import LocalStore, Store, as_store
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ def _with_folder(t: pa.Table, pipeline: str) -> pa.Table:
 
 
 def _joined(
-    out: Path, start_us: int, end_us: int, rows: dict[tuple[str, str], pa.Table] | None = None
+    out: Path | Store, start_us: int, end_us: int, rows: dict[tuple[str, str], pa.Table] | None = None
 ) -> tuple[pa.Table, int]:
     """The joined rows of the interval, and the clicks of the interval given up by every pipeline that decided them.
     A joined row without its click time is placed by the time its click id carries (EVENTS.md: ``<ip>-<pid>-<ts>``),
@@ -202,7 +204,9 @@ def _joined(
     return joined, len(gave_up)
 
 
-def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int) -> tuple[int, int, int, int]:
+def _quarantined(
+    out: Path | Store, logs: Path | Store, start_us: int, end_us: int, skew_us: int
+) -> tuple[int, int, int, int]:
     """(distinct quarantined lines whose log file belongs to ``[start_us, end_us)``, records whose file is gone,
     quarantine data files read, in the tables' snapshots). Only the records decided since ``since`` are read: the
     hour partitions from its hour on, and of those the files whose ``decided_at_us`` statistics reach it; a pipeline
@@ -232,7 +236,7 @@ def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int
         key = (row["kind"], row["file"])
         if first.get(key) is None:  # replicas hold the same file: one readable copy is enough
             try:
-                first[key] = first_event_us(logs / dcs[row["folder"]] / row["kind"] / row["file"])
+                first[key] = first_event_us(logs, f"{dcs[row['folder']]}/{row['kind']}/{row['file']}")
             except OSError:
                 first[key] = None
     key_col = pc.binary_join_element_wise(q["kind"], q["file"], "/")
@@ -241,7 +245,8 @@ def _quarantined(out: Path, logs: Path, start_us: int, end_us: int, skew_us: int
     lines = q.filter(pc.is_in(key_col, value_set=pa.array(mine, pa.string())))
     unattributed = int(pc.sum(pc.is_in(key_col, value_set=pa.array(gone, pa.string())).cast(pa.int64())).as_py() or 0)
     if unattributed:
-        log.warning("%d quarantine record(s) name log files no longer under %s: not counted", unattributed, logs)
+        where = as_store(logs).url
+        log.warning("%d quarantine record(s) name log files no longer under %s: not counted", unattributed, where)
     return lines.group_by(["kind", "file", "line"]).aggregate([]).num_rows, unattributed, read, listed
 
 
@@ -283,20 +288,32 @@ class _Snapshot:
         protocol = self.delta.protocol()
         if protocol.min_reader_version > 1:  # deletion vectors, column mapping: a file's rows are not all its rows
             raise QualityInputError(
-                f"output table {self.table.path} needs Delta reader version {protocol.min_reader_version}"
+                f"output table {self.table.uri} needs Delta reader version {protocol.min_reader_version}"
                 f" ({', '.join(protocol.reader_features or [])}): this check reads version 1 tables"
             )
         try:
             paths = self.delta.file_uris(file_pruning_predicate=files_where)
+            filesystem = None
+            if not isinstance(self.table.store, LocalStore):
+                # An object store's files through deltalake's own client for it (its options and credentials): the
+                # scan stays one multi-threaded read, and no second S3 client is configured.
+                from deltalake.fs import DeltaStorageHandler
+                from pyarrow.fs import PyFileSystem
+
+                uri, options = self.table.store.delta_location(self.table.key)
+                filesystem = PyFileSystem(DeltaStorageHandler(uri, options))
+                paths = [p.removeprefix(uri.rstrip("/") + "/") for p in paths]
             schema = tables.table_schema(self.table.kind)
             schema = schema.remove(schema.get_field_index(tables.PARTITION))  # in the path, not in the files
             # The rows are filtered once read, all together, by a mask: a filter expression (in the scan or on the
             # table) is evaluated chunk by chunk, and an hour of 1-s batches is thousands of one-file chunks.
             when = tables.TIME_COLUMN[self.table.kind]
-            read = ds.dataset(paths, schema=schema, format="parquet").to_table(columns=list({*columns, when}))
+            read = ds.dataset(paths, schema=schema, format="parquet", filesystem=filesystem).to_table(
+                columns=list({*columns, when})
+            )
             return read.filter(keep(read[when])).select(columns), len(paths)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise QualityInputError(f"output table {self.table.path} is unreadable: {exc}") from exc
+            raise QualityInputError(f"output table {self.table.uri} is unreadable: {exc}") from exc
 
 
 # -- Completeness: every click of the interval's input has exactly one outcome ------------------------------------
@@ -430,14 +447,15 @@ class Outcomes:
     first_at: dict[str, int] = field(default_factory=dict)
 
 
-def outcomes(out: Path, clicks: pa.Table, interval: tuple[int, int] | None = None) -> Outcomes:
+def outcomes(out: Path | Store, clicks: pa.Table, interval: tuple[int, int] | None = None) -> Outcomes:
     """For each input click, how many rows every pipeline's ``joined`` and ``unjoinable`` tables hold for it. Only
     the hour partitions of the input clicks' times are read, of those the files whose click-time statistics meet
     those times, and of those only the ``click_id`` column. With an ``interval``, also its hours' rows, with the
     columns ``_joined`` needs (``OUTPUT_COLUMNS``), kept in ``Outcomes.rows``: thousands of small batch files are
     opened once, not twice (about 1 ms a file). Rows without a click time are always read."""
-    if not out.is_dir():
-        raise FileNotFoundError(f"output folder {out} does not exist")
+    out = as_store(out)
+    if isinstance(out, LocalStore) and not out.root.is_dir():
+        raise FileNotFoundError(f"output folder {out.root} does not exist")
     ids = clicks["click_id"].combine_chunks() if clicks.num_rows else pa.array([], pa.string())
     ts = clicks["ts_us"].to_numpy() if clicks.num_rows else np.zeros(0, np.int64)
     files_where, keep = _click_hours(ts, interval)
@@ -583,8 +601,9 @@ def _context(root: Path, index_results: int) -> Any:
     sites = context.variables.data_docs_sites or {}
     if "photon" not in sites:
         context.add_data_docs_site(site_name="photon", site_config=config)
-    elif dict(sites["photon"].get("site_index_builder") or {}) != config["site_index_builder"]:
-        context.update_data_docs_site(site_name="photon", site_config=config)  # a site made before the limit
+    elif any(dict(sites["photon"].get(k) or {}) != config[k] for k in ("site_index_builder", "store_backend")):
+        # A site made before the limit, or a project copied from an object store: its folder was another run's.
+        context.update_data_docs_site(site_name="photon", site_config=config)
     return context
 
 
@@ -611,12 +630,13 @@ def _publish_lock(root: Path) -> Iterator[None]:
 
 
 def _publish(
-    root: Path, site: Path, s: QualitySettings, suites: dict[str, Any], results: dict[Any, Any], suite_id: Any
-) -> float:
-    """Store this run's validation results in the GX project under ``root`` (each under its own key: interval, suite,
-    batch) and build their pages, the suites' and the index, which lists the newest results of every run; then serve
-    the pages' assets offline. One run at a time (``_publish_lock``). Returns when the site was built (monotonic)."""
-    with _publish_lock(root):
+    out: Store, s: QualitySettings, suites: dict[str, Any], results: dict[Any, Any], suite_id: Any
+) -> tuple[float, str]:
+    """Store this run's validation results in the GX project (each under its own key: interval, suite, batch) and
+    build their pages, the suites' and the index, which lists the newest results of every run; then serve the pages'
+    assets offline. One run at a time (``_project``). Returns when the site was built (monotonic) and where its
+    index is."""
+    with _project(out, s) as root:
         context = _context(root, s.index_results)
         built: list[Any] = list(results)
         for suite in suites.values():
@@ -626,8 +646,80 @@ def _publish(
             context.validation_results_store.set(key, result)
         context.build_data_docs(site_names=["photon"], resource_identifiers=built)
         t_localize = time.monotonic()
-        localize_data_docs(site)
-    return t_localize
+        localize_data_docs(root / "data_docs")
+    return t_localize, out.location(f"{QUALITY_DIR}/data_docs/index.html")
+
+
+PUBLISH_LEASE_S = 300.0  # the publishing lock's lease on an object store: a publish takes seconds
+SITE_ASSETS = "data_docs/static/"  # the same files for every run: uploaded once
+
+
+@contextlib.contextmanager
+def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
+    """The GX project and the Data Docs site as a folder, held by this run alone while it publishes: for an output
+    folder, ``<out>/_quality`` itself under ``_publish_lock``. GX's stores and site builder write files only, so on an
+    object store the run takes ``_quality``'s lock (a ``StoreLock``), copies the project into a temporary folder (the
+    results the index lists, not the whole history: ``_download_project``), publishes there, and puts back what it
+    wrote or changed; the site's pages are read from ``<out>/_quality/data_docs/`` in the bucket."""
+    if isinstance(out, LocalStore):
+        root = out.path(QUALITY_DIR)
+        root.mkdir(parents=True, exist_ok=True)
+        with _publish_lock(root):
+            yield root
+        return
+    import hashlib
+    import tempfile
+
+    from photon.tools.maintenance import StoreLock
+
+    remote = out.child(QUALITY_DIR)
+    lock = StoreLock(remote, PUBLISH_LEASE_S, folder="_lock", purpose="data quality")
+    lock.acquire()
+    try:
+        with tempfile.TemporaryDirectory(prefix="photon-quality-") as tmp:
+            root = Path(tmp)
+            _download_project(remote, root, s.index_results)
+            digest = {p: hashlib.sha256(p.read_bytes()).digest() for p in root.rglob("*") if p.is_file()}
+            yield root
+            assets = {e.key: e.size for e in remote.listing(SITE_ASSETS)}
+            lock.check()  # half the lease left at least: the puts below end before a successor may start
+            for path in sorted(p for p in root.rglob("*") if p.is_file()):
+                key = path.relative_to(root).as_posix()
+                data = path.read_bytes()
+                if digest.get(path) == hashlib.sha256(data).digest() or assets.get(key) == len(data):
+                    continue  # unchanged since downloaded, or an asset already there
+                remote.put(key, data)
+    finally:
+        lock.release()
+
+
+VALIDATIONS = "gx/uncommitted/validations/"  # <suite>/<run name>/<run time>/<batch>.json (GX's file layout)
+
+
+def _download_project(remote: Store, root: Path, index_results: int) -> None:
+    """The GX project under ``remote`` (``<out>/_quality``) into the folder ``root``: its configuration and suites,
+    and of its validation results the newest ``index_results`` by run time (as GX's index picks them): the index
+    built here lists what it would list over the whole history, and a run downloads a week of results, not a year."""
+    entries = [e for e in remote.listing("gx") if not e.key.endswith("/")]
+    results = [e for e in entries if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6]
+
+    def run_time(key: str) -> str:
+        return key.split("/")[-2]  # 20251121T060000.000000Z: sorts as the time
+
+    keep = {e.key for e in sorted(results, key=lambda e: run_time(e.key), reverse=True)[:index_results]}
+    for e in entries:
+        if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6 and e.key not in keep:
+            continue
+        path = root / e.key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(remote.get(e.key))
+    # GX's index lists the results whose page the site holds: each kept result's page, as an empty stand-in that is
+    # never put back (unchanged). A run puts its pages before its results (key order), so the pages exist.
+    for key in keep:
+        page = root / "data_docs" / "validations" / key.removeprefix(VALIDATIONS).removesuffix(".json")
+        page = page.with_name(page.name + ".html")
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.touch()
 
 
 def _ephemeral_config() -> Any:
@@ -671,8 +763,8 @@ def _suites(gx: Any, s: QualitySettings) -> dict[str, Any]:
 
 
 def check_quality(
-    out: Path,
-    logs: Path,
+    out: Path | Store | str,
+    logs: Path | Store | str,
     start_us: int,
     end_us: int,
     settings: QualitySettings | None = None,
@@ -680,9 +772,10 @@ def check_quality(
 ) -> QualityResult:
     """Run the checkpoint for the interval ``[start_us, end_us)`` and update the Data Docs site. ``logs`` is the logs
     root the pipelines read (``<logs>/<dc>/{queries,clicks}``): quarantined lines are attributed by their file, and
-    the interval's click files are the input whose every click must have one outcome. Raises ``NotSettled`` before
-    ``settings.settled_at_us(end_us)`` (by ``now_us``, default this host's clock): an unsettled interval neither
-    passes nor fails."""
+    the interval's click files are the input whose every click must have one outcome. ``out`` and ``logs``: folders,
+    or object stores (``s3://bucket/prefix``, or a ``Store`` opened with a connection's options). Raises
+    ``NotSettled`` before ``settings.settled_at_us(end_us)`` (by ``now_us``, default this host's clock): an unsettled
+    interval neither passes nor fails."""
     s = settings or QualitySettings()
     now = now_us if now_us is not None else int(time.time() * US)
     if now < s.settled_at_us(end_us):
@@ -696,6 +789,7 @@ def check_quality(
     import pandas as pd
     from great_expectations.data_context.types.resource_identifiers import ExpectationSuiteIdentifier
 
+    out, logs = as_store(out), as_store(logs)  # a folder, or an object store (s3://...)
     t_input = time.monotonic()
     click_files = interval_click_files(logs, start_us, end_us)
     clicks = interval_clicks(click_files)
@@ -731,8 +825,6 @@ def check_quality(
         },
         dtype="float64",
     )
-    root = out / QUALITY_DIR
-    root.mkdir(parents=True, exist_ok=True)
     t_gx = time.monotonic()
     phases["frames"] = t_gx - t_done
     # The validation runs in a context of its own, in memory: no run reads a store another run rewrites (two runs at
@@ -750,7 +842,6 @@ def check_quality(
     details: list[str] = []
     statistics: dict[str, Any] = {}
     success = True
-    site = root / "data_docs"
     results: dict[Any, Any] = {}  # this run's validation results, by identifier
     t_run = time.monotonic()
     phases["gx_setup"] = t_run - t_gx
@@ -775,7 +866,7 @@ def check_quality(
                     details.append(f"{failed[-1]}: {_observed(r.result)}{_HINTS.get(cfg.kwargs.get('column'), '')}")
     t_docs = time.monotonic()
     phases["validation"] = t_docs - t_run
-    t_localize = _publish(root, site, s, _suites(gx, s), results, ExpectationSuiteIdentifier)
+    t_localize, docs_index = _publish(as_store(out), s, _suites(gx, s), results, ExpectationSuiteIdentifier)
     phases["data_docs"] = t_localize - t_docs
     phases["localize"] = time.monotonic() - t_localize
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
@@ -820,7 +911,7 @@ def check_quality(
         failed=failed,
         details=details,
         statistics=statistics,
-        docs_index=str(site / "index.html"),
+        docs_index=docs_index,
     )
 
 
