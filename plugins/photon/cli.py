@@ -808,16 +808,53 @@ def storage_up(
         list[str] | None, typer.Option(help="A bucket to create (repeatable; kept if it exists).")
     ] = None,
     folder: StorageFolder = None,
+    host: Annotated[
+        str, typer.Option(help="The address clients reach it at (a container's: its service name).")
+    ] = "127.0.0.1",
+    bind: Annotated[str, typer.Option(help="The address it listens on (a container's: 0.0.0.0).")] = "127.0.0.1",
+    s3_port: Annotated[int | None, typer.Option(help="The S3 port (default: a free one, kept across starts).")] = None,
+    foreground: Annotated[
+        bool, typer.Option("--foreground", help="Stay until the server ends; SIGTERM or Ctrl-C stops it (a container).")
+    ] = False,
 ) -> None:
     """Start the local S3 server (or find it running) and create the buckets; its clients' AWS variables go to
-    env.sh in its folder (mode 600): `source` it, the key is never printed."""
+    env.sh in its folder (mode 600): `source` it, the key is never printed. The key and secret it serves are made on
+    the first start, or are PHOTON_STORAGE_ACCESS_KEY and PHOTON_STORAGE_SECRET_KEY where both are set (a deployment
+    whose other services are given the same)."""
     from photon.tools.storage_server import env_file, start
 
-    server = start(_storage_folder(folder), tuple(bucket or ()))
+    settings = load_settings()
+    given = (settings.storage_access_key, settings.storage_secret_key)
+    key, secret = (v.get_secret_value() if v else "" for v in given)
+    if bool(key) != bool(secret):
+        raise ValueError("set both PHOTON_STORAGE_ACCESS_KEY and PHOTON_STORAGE_SECRET_KEY, or neither")
+    where = folder if folder is not None else settings.home / "storage"
+    credentials = (key, secret) if key and secret else None
+    server = start(where, tuple(bucket or ()), host=host, bind=bind, s3_port=s3_port, credentials=credentials)
     console.print(
         f"local S3 server at {server.endpoint} (pid {server.pid}); "
         f"for its clients: source {_shown(env_file(server.folder))}"
     )
+    if foreground:
+        _serve_until_stopped(where, server.pid)
+
+
+def _serve_until_stopped(where: Path, pid: int) -> None:
+    """Wait while the server runs; SIGTERM (``docker stop``) or SIGINT stops it and returns; its end on its own
+    exits 1."""
+    import signal
+    import threading
+
+    from photon.tools.storage_server import alive, stop
+
+    asked = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: asked.set())
+    while not asked.wait(1.0):
+        if not alive(pid):
+            raise typer.Exit(1)  # stopped from elsewhere, or crashed: its log is in its folder
+    stop(where)
+    console.print(f"local S3 server of {_shown(where)} stopped")
 
 
 @storage_app.command("down")

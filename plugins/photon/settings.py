@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Time, one bound for the whole project: every clock (log writers, the registry's main server, any host that acts)
@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     # before the work fails and runs again: a batch, a lease start. Within the registry's failover budget; the
     # client's own default (3 minutes) would hold a lease that long on a store that is gone.
     storage_retry_s: float = Field(default=30.0, gt=0, le=300)
+    # The key and secret `photon storage up` serves (both or neither): a deployment's S3 server whose other services
+    # are given the same (the compose file's). Unset: made on its first start, kept in its folder (mode 600).
+    storage_access_key: SecretStr | None = None
+    storage_secret_key: SecretStr | None = None
     # Local state: the embedded PostgreSQL's data folder lives here.
     home: Path = Path(".photon")
     # Server clocks are off by at most this much (EVENTS.md).

@@ -535,3 +535,45 @@ def test_a_listing_from_a_mark_reads_what_lies_after_it_not_what_lies_before(
     assert [e.key for e in s3.listing(after="20261122/0028")] == backlog[-2:]  # a partition sorts before its keys
     assert len(read) < 60, len(read)
     assert [e.key for e in s3.listing()] == old + new + backlog
+
+
+def test_a_deployments_server_serves_the_given_key_in_the_foreground_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """The compose file's S3 service: `photon storage up --foreground` with the key and secret its other services are
+    given (PHOTON_STORAGE_*), on a fixed S3 port and the address they reach it at, its bucket made; it stays while
+    the server runs and stops it on SIGTERM (`docker stop`). A start with other credentials beside it is refused."""
+    port = storage_server.free_ports(1)[0]
+    key, secret = "photon-compose", "change-me-" + secrets.token_hex(8)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", "PHOTON_STORAGE_ACCESS_KEY": key}
+    env["PHOTON_STORAGE_SECRET_KEY"] = secret
+    folder = tmp_path / "seaweedfs"
+    cmd = [sys.executable, "-m", "photon", "storage", "up", "--foreground", "--folder", str(folder), "--bucket"]
+    cmd += ["photon", "--host", "localhost", "--bind", "127.0.0.1", "--s3-port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        said = proc.stdout.readline()  # after the bucket is made
+        assert said.startswith(f"local S3 server at http://localhost:{port}"), said + proc.communicate()[0]
+        server = storage_server.running(folder)
+        assert server is not None and server.endpoint == f"http://localhost:{port}"
+        options = {"aws_endpoint_url": f"http://localhost:{port}", "aws_access_key_id": key}
+        options |= {"aws_secret_access_key": secret, "aws_region": "us-east-1"}
+        store = open_store("s3://photon/x", options)
+        assert store.files() == []  # the bucket exists: a missing one is an error
+        store.put("probe", b"1")
+        assert store.get("probe") == b"1"
+        wrong = open_store("s3://photon/x", {**options, "aws_secret_access_key": "not-" + secret})
+        with pytest.raises(StorageError):
+            wrong.get("probe")
+        other = subprocess.run(
+            [*cmd[:5], "--folder", str(folder)], env={**env, "PHOTON_STORAGE_SECRET_KEY": "other"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert other.returncode != 0 and "runs with other credentials: stop it first" in other.stdout + other.stderr
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "stopped" in out and not storage_server.alive(server.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        storage_server.stop(folder, hard=True)

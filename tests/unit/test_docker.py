@@ -94,13 +94,14 @@ def test_dockerfile_installs_the_pinned_lock_and_the_project() -> None:
 
 def test_compose_wires_airflow_spark_and_postgres() -> None:
     services = compose()["services"]
-    assert set(services) == AIRFLOW | SPARK | {"airflow-db", "etcd", *REGISTRY}
-    for name in AIRFLOW | SPARK:
+    assert set(services) == AIRFLOW | SPARK | {"airflow-db", "etcd", "seaweedfs", *REGISTRY}
+    for name in AIRFLOW | SPARK | {"seaweedfs"}:
         svc = services[name]
         assert svc["image"] == "photon-airflow:latest"
         assert svc["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
         assert (DOCKER / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
-        assert "data:/data" in svc["volumes"]
+    for name in AIRFLOW:
+        assert services[name]["volumes"] == ["data:/data"]
     for name in AIRFLOW:
         env = services[name]["environment"]
         spark = json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"])
@@ -255,3 +256,49 @@ def test_every_component_reaches_the_primary_on_a_multi_host_dsn_and_requires_re
             assert params["host"] == REGISTRY_HOSTS and params["port"] == "5432", (name, dsn)
             assert params["target_session_attrs"] == "read-write", (name, dsn)
             assert params["dbname"] == "photon", (name, dsn)
+
+
+def test_logs_and_output_are_in_the_s3_service_and_spark_shares_no_volume() -> None:
+    """The deployment on an object store: the `seaweedfs` service is `photon storage up` in the foreground (its
+    options parsed by the real command), serving the one key that Airflow's photon_storage connection and the Spark
+    workers' AWS variables hold; the Variables name s3:// URLs in its bucket; no Spark service mounts a volume, so no
+    path of the driver's reaches an executor."""
+    import typer
+
+    from photon.cli import app
+
+    services = compose()["services"]
+    store = services["seaweedfs"]
+    argv = store["command"]
+    assert argv[:3] == ["python", "-m", "photon"]
+    ctx = typer.main.get_command(app).make_context("photon", argv[3:], resilient_parsing=False)
+    sub = ctx.command.get_command(ctx, argv[3])  # type: ignore[attr-defined]
+    up = sub.get_command(ctx, argv[4]).make_context("up", argv[5:])
+    assert up.params["foreground"] and up.params["bucket"] == ["photon"]
+    assert (up.params["host"], up.params["bind"], up.params["s3_port"]) == ("seaweedfs", "0.0.0.0", 8333)
+    assert store["volumes"] == [f"seaweed:{up.params['folder']}"]
+    assert "127.0.0.1:8333:8333" in store["ports"]  # this host's loopback only
+    key, secret = store["environment"]["PHOTON_STORAGE_ACCESS_KEY"], store["environment"]["PHOTON_STORAGE_SECRET_KEY"]
+    assert "seaweedfs" in json.dumps(store["healthcheck"]) and "photon" in json.dumps(store["healthcheck"])
+    endpoint = f"http://seaweedfs:{up.params['s3_port']}"
+    for name in AIRFLOW:
+        env = services[name]["environment"]
+        assert env["AIRFLOW_VAR_PHOTON_LOGS"].startswith("s3://photon/")
+        assert env["AIRFLOW_VAR_PHOTON_OUT"].startswith("s3://photon/")
+        conn = json.loads(env["AIRFLOW_CONN_PHOTON_STORAGE"])
+        assert conn["conn_type"] == "aws" and (conn["login"], conn["password"]) == (key, secret)
+        assert conn["extra"]["endpoint_url"] == endpoint
+    for name in ("airflow-init", "spark-master"):  # the other services start after these
+        assert services[name]["depends_on"]["seaweedfs"] == {"condition": "service_healthy"}, name
+    for name in SPARK:
+        svc = services[name]
+        assert "volumes" not in svc, name
+        env = svc["environment"]
+        assert (env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (
+            endpoint,
+            key,
+            secret,
+        )
+        assert env["AWS_ALLOW_HTTP"] == "true" and env["AWS_REGION"]
+    runs = " ".join(a for i, a in instructions(DOCKER / "Dockerfile") if i == "RUN")
+    assert f"chown -R airflow:0 /opt/airflow /opt/photon /data {up.params['folder']}" in runs  # the volume is writable

@@ -165,10 +165,21 @@ def _answers(endpoint: str) -> bool:
     return True
 
 
-def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
+def start(
+    folder: Path,
+    buckets: tuple[str, ...] = (),
+    *,
+    host: str = "127.0.0.1",
+    bind: str = "127.0.0.1",
+    s3_port: int | None = None,
+    credentials: tuple[str, str] | None = None,
+) -> Server:
     """Start the server for ``folder`` (or return the one running), with ``buckets`` created. Two starts at once on
     one folder take turns (the second finds the first's server); the server is named in ``server.json`` before it
-    answers, so an interrupted start leaves nothing that ``stop`` cannot find, and a start that fails stops it."""
+    answers, so an interrupted start leaves nothing that ``stop`` cannot find, and a start that fails stops it.
+    ``host``: the address its clients and its own parts reach it at; ``bind``: where it listens (a container's
+    server: its service name and 0.0.0.0). ``s3_port``: the S3 port (default: a free one, the last start's if free).
+    ``credentials``: the access key and secret to serve (default: the folder's, made on the first start)."""
     folder = folder.resolve()
     for b in buckets:
         check_bucket_name(b)  # before anything starts
@@ -177,13 +188,25 @@ def start(folder: Path, buckets: tuple[str, ...] = ()) -> Server:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        server = running(folder) or _start(folder)
+        found = running(folder)
+        if credentials is not None:
+            if found is not None and _credentials(folder) != credentials:
+                raise StorageServerError(f"the S3 server of {folder} runs with other credentials: stop it first")
+            _keep_credentials(folder, *credentials)
+        server = found or _start(folder, host, bind, s3_port)
         for b in buckets:
             create_bucket(server, b)
         return server
 
 
-def _start(folder: Path) -> Server:
+def _keep_credentials(folder: Path, key: str, secret: str) -> None:
+    if not key or not secret or any(c.isspace() or c in '"\\' for c in key + secret):
+        raise StorageServerError("the S3 server's access key and secret: non-empty, without spaces, quotes, '\\'")
+    secret_file(folder / "access-key", lambda: key, replace=True)
+    secret_file(folder / "secret-key", lambda: secret, replace=True)
+
+
+def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_port: int | None = None) -> Server:
     (folder / "data").mkdir(parents=True, exist_ok=True)
     key, secret = _credentials(folder)
     identity = {
@@ -204,13 +227,17 @@ def _start(folder: Path) -> Server:
     previous = _previous_s3_port(folder)
     if previous is not None and previous not in ports.values() and _free(previous):
         ports["s3.port"] = previous
-    cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+    if s3_port is not None:
+        if not _free(s3_port):
+            raise StorageServerError(f"the S3 port {s3_port} is taken")
+        ports["s3.port"] = s3_port
+    cmd = [weed_binary(), "mini", f"-dir={folder / 'data'}", f"-ip={host}", f"-ip.bind={bind}"]
     cmd += ["-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={config}"]
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
     cmd += [f"-{name}={port}" for name, port in ports.items()]
     log = open(folder / "server.log", "ab")  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    endpoint = f"http://{host}:{ports['s3.port']}"
     info = {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "endpoint": endpoint, "ports": ports}
     (folder / "server.json").write_text(json.dumps(info))
     server = Server(folder, proc.pid, endpoint, ports)
@@ -287,6 +314,8 @@ def create_bucket(server: Server, bucket: str) -> None:
         said = "no answer in 60 s"
         raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}") from None
     said = (r.stdout + r.stderr).strip()
+    if f"bucket {bucket} already exists" in said:
+        return  # made since the look above (another start, or a client's put: SeaweedFS makes a bucket on a put)
     if r.returncode != 0 or "error" in said.lower():
         raise StorageServerError(f"could not create bucket {bucket!r} on {server.endpoint}: {said}")
 
