@@ -34,7 +34,7 @@ from photon.tools.generator import GeneratorSettings, generate
 from tests.integration.test_object_store_output import bucket_table
 from tests.nemesis import checker
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]
+pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 US = 1_000_000
 DCS = ("dc-a", "dc-b")
