@@ -92,9 +92,8 @@ TEST_WORKERS ?= 3
 test: setup lint
 	"$(PY)" -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m "not long" $(PYTEST_ARGS)
 
-# The tests marked long: joins on a Spark standalone cluster (both pipelines over a bucket, a worker and the S3 server
-# killed; a lease through the DAG on a cluster), 2-5 minutes on this machine. Left out of `make test`, which must stay
-# within CI's 20 minutes on 2 cores.
+# The tests marked long: a lease through the DAG on a Spark standalone cluster, 2-5 minutes on this machine. Left out
+# of `make test`, which must stay within CI's 20 minutes on 2 cores (the cluster test over a bucket runs there).
 test-long: setup
 	"$(PY)" -m pytest -m long $(PYTEST_ARGS)
 
@@ -200,6 +199,8 @@ bench-handover-airflow: setup
 # (SIGKILL, a standby promoted) and the old one rejoining where the single server would be stopped hard.
 # CHAOS_ARGS="--storage s3": logs, output tables and state in a bucket of a local S3 server, which is SIGKILLed and
 # started again (store_restart; some outages past the requests' retry budget).
+# CHAOS_ARGS="--storage s3 --spark cluster": and every lease on a local Spark standalone cluster (a master, two
+# workers in folders of their own), a worker SIGKILLed with its executors and started again (worker_kill).
 SEED ?= 1
 SECONDS ?= 300
 chaos: setup

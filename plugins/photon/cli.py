@@ -311,6 +311,14 @@ def table_maintain(
     ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be done; change nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    lock_lease_s: Annotated[
+        float,
+        typer.Option(
+            min=10.0,
+            help="On an object store, the lock's lease: a killed run's lock is taken over this long (plus 5 s) after"
+            " it was taken, and a run starts no compaction past half of it.",
+        ),
+    ] = 600.0,
 ) -> None:
     """Per pipeline and table: compact each hour's small files, checkpoint, drop expired log files, vacuum old files
     no commit names. Safe beside live pipelines and backfills (also the hourly DAG photon_table_maintenance)."""
@@ -322,6 +330,7 @@ def table_maintain(
         retention_hours=retention_hours,
         dry_run=dry_run,
         force=force,
+        lock_lease_s=lock_lease_s,
     )
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

@@ -24,8 +24,12 @@ schedule drawn from the seed:
 - ``store_restart`` (``--storage s3``: the logs, the output tables and the pipelines' state in a bucket of a local S3
   server, SeaweedFS as `photon storage up` runs it): the S3 server SIGKILLed and started again on its endpoint
   seconds later; most outages within the requests' retry budget (a wait), some past it (PHOTON_STORAGE_RETRY_S is
-  10 s here: the batch or lease start fails in one line and the next lease goes on). Table maintenance does not run
-  on a bucket yet, so an s3 run has none.
+  10 s here: the batch or lease start fails in one line and the next lease goes on). Table maintenance runs on the
+  bucket with a 20 s lock lease (`--lock-lease-s`), so that a killed run's lock is taken over within the run.
+- ``worker_kill`` (``--spark cluster``, which needs ``--storage s3``: every lease on a Spark standalone cluster of a
+  master and two workers, as `photon spark up` starts them, each worker in a folder of its own and sharing nothing
+  with the drivers but the bucket and the registry): a worker SIGKILLed with its executors (its process group: the
+  machine gone) and started again seconds later; the tasks it ran are run again elsewhere or once it is back.
 
 Every component runs as a login holding only its role (on the cluster with PHOTON_REGISTRY_REPLICATION=required: the
 replication guard must pass there, before and after a failover). While the run goes, a checker that reads files only
@@ -36,6 +40,7 @@ be joined is.
     python -m tests.nemesis.run --seed 7 --seconds 300     (make chaos SEED=7 SECONDS=300)
     python -m tests.nemesis.run --seed 7 --seconds 120 --registry cluster
     python -m tests.nemesis.run --seed 7 --seconds 180 --storage s3        (make chaos ... CHAOS_ARGS="--storage s3")
+    python -m tests.nemesis.run --seed 7 --seconds 240 --storage s3 --spark cluster
 
 The last line printed is a JSON object: the seed, fault counts, the checker's verdict.
 """
@@ -74,9 +79,11 @@ MARGIN_S = 5.0
 SKEW_S = 10.0  # PHOTON_MAX_CLOCK_SKEW_S (the default) for every process of the run
 REGISTRIES = ("embedded", "cluster")
 STORAGES = ("folder", "s3")
+SPARKS = ("local", "cluster")
 STORAGE_RETRY_S = 10.0  # PHOTON_STORAGE_RETRY_S of an s3 run: some store outages outlast it
 STORE_DOWN_MAX_S = 25.0  # the longest store outage drawn
 BUCKET = "nemesis"
+MAINT_LOCK_LEASE_S = 20.0  # table maintenance's lock on a bucket: a killed run's is taken over 25 s after it was taken
 PROMOTION_TIMEOUT_S = 90.0  # Patroni's ttl (20 s) and a promotion, with room for a loaded machine
 PRIMARY_LOST_WAIT_S = 30.0  # a drawn primary_lost waits this long at most for a lease's committed batch
 # Once the input has stopped, faults still owed (no kill landed yet and one waits for its lease's first batch, a lost
@@ -88,11 +95,11 @@ OWED_FAULTS_S = 120.0
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    kind: str  # kill | pg_restart | primary_lost | verify | lose_dc | clock | store_restart
+    kind: str  # kill | pg_restart | primary_lost | verify | lose_dc | clock | store_restart | worker_kill
     target: str = ""
-    # pg_restart, store_restart: seconds down; primary_lost: seconds from the promotion to the old primary's restart;
-    # verify:
-    # SIGKILL after this many seconds (0: let it finish); clock: the host clock's offset in seconds
+    # pg_restart, store_restart, worker_kill: seconds down; primary_lost: seconds from the promotion to the old
+    # primary's restart; verify: SIGKILL after this many seconds (0: let it finish); clock: the host clock's offset in
+    # seconds
     arg: float = 0.0
 
 
@@ -112,16 +119,28 @@ class Plan:
     trigger_s: float = 0.5
     generator_set: tuple[str, ...] = ()  # more of the generator's settings, KEY=VALUE
     storage: str = "folder"  # folder | s3: where the logs, the output and the pipelines' state are
+    spark: str = "local"  # local | cluster: where the leases' executors run
 
 
-def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedded", storage: str = "folder") -> Plan:
+def plan(
+    seed: int,
+    seconds: float,
+    rate: float = 300.0,
+    registry: str = "embedded",
+    storage: str = "folder",
+    spark: str = "local",
+) -> Plan:
     """The schedule a seed stands for: every fault kind at least once, at random moments. On the cluster the same
     schedule, with the primary lost where the embedded server is restarted (the draws are the same); on s3 the same
-    schedule and the S3 server's restarts."""
+    schedule and the S3 server's restarts; on a Spark cluster the same and its workers' losses."""
     if registry not in REGISTRIES:
         raise ValueError(f"registry {registry!r}: expected one of {', '.join(REGISTRIES)}")
     if storage not in STORAGES:
         raise ValueError(f"storage {storage!r}: expected one of {', '.join(STORAGES)}")
+    if spark not in SPARKS:
+        raise ValueError(f"spark {spark!r}: expected one of {', '.join(SPARKS)}")
+    if spark == "cluster" and storage != "s3":
+        raise ValueError("--spark cluster needs --storage s3: the workers share nothing with the drivers but the store")
     rng = random.Random(seed)
     lost = rng.choice(DCS)
     loss_at = rng.uniform(0.55, 0.75) * seconds
@@ -156,8 +175,15 @@ def plan(seed: int, seconds: float, rate: float = 300.0, registry: str = "embedd
                 srng.uniform(1.0, 6.0) if srng.random() < 0.75 else srng.uniform(STORAGE_RETRY_S + 2, STORE_DOWN_MAX_S)
             )
             faults.append(Fault(srng.uniform(0.15, 0.85) * seconds, "store_restart", "", down))
+    if spark == "cluster":  # (the same: a generator of their own)
+        wrng = random.Random(seed + 5)
+        for _ in range(max(2, int(seconds // 60))):
+            worker = wrng.choice(("worker-1", "worker-2"))
+            faults.append(Fault(wrng.uniform(0.15, 0.85) * seconds, "worker_kill", worker, wrng.uniform(1.0, 8.0)))
     faults = sorted(faults, key=lambda f: f.at_s)
-    return Plan(seed, seconds, rate, 10.0, (20.0, 45.0), outage, lost, faults, registry, storage=storage)
+    # On a cluster an application's start (its executor on a worker) takes longer: leases run longer.
+    lease_s = (20.0, 45.0) if spark == "local" else (40.0, 80.0)
+    return Plan(seed, seconds, rate, 10.0, lease_s, outage, lost, faults, registry, storage=storage, spark=spark)
 
 
 class EmbeddedRegistry:
@@ -318,6 +344,9 @@ class Nemesis:
         self.manifest = work / "logs" / "_manifest"
         self.store_folder: Path | None = None  # the S3 server's, on s3
         self.store_up_at: float | None = None  # when the S3 server stopped hard comes back
+        self.spark_folder: Path | None = None  # the Spark cluster's, on a cluster
+        self.master = "local[1]"
+        self.workers_up_at: dict[str, float] = {}  # worker -> when it comes back
         self.proc_logs = work / "processes"
         self.proc_logs.mkdir(parents=True, exist_ok=True)
         if registry is None and p.registry == "cluster":
@@ -397,6 +426,55 @@ class Nemesis:
         os.environ["PHOTON_STORAGE_RETRY_S"] = f"{STORAGE_RETRY_S:g}"
         self.logs, self.out = f"s3://{BUCKET}/logs", f"s3://{BUCKET}/out"
         self.manifest = self.work / "manifest"
+
+    def _worker_env(self) -> dict[str, str]:
+        """A worker's environment: the project's code and the store's credentials, nothing of any driver's."""
+        from photon.tools import storage_server
+
+        assert self.store_folder is not None
+        return {"PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", **storage_server.client_env(self.store_folder)}
+
+    def setup_spark(self) -> None:
+        """On a cluster: a master and two workers of one core each (`photon spark up`), the leases' applications one
+        executor each, so that both pipelines run side by side, one on each worker."""
+        if self.p.spark != "cluster":
+            return
+        from photon.tools import spark_cluster
+
+        self.spark_folder = self.work / "spark"
+        cluster = spark_cluster.start(self.spark_folder, workers=2, cores=1, memory="1g", env=self._worker_env())
+        self.master = cluster.master_url
+        cap = "--conf spark.cores.max=1 --conf spark.executor.cores=1 --conf spark.executor.memory=600m"
+        os.environ["PYSPARK_SUBMIT_ARGS"] = f"{cap} pyspark-shell"
+
+    def _worker_kill(self, f: Fault, now: float) -> None:
+        """The worker SIGKILLed with its executors (its process group), started again ``f.arg`` seconds later."""
+        from photon.tools import spark_cluster
+
+        cluster = spark_cluster.running(self.spark_folder) if self.spark_folder is not None else None
+        mine = [w for w in (cluster.processes if cluster else []) if w.get("role") == f.target]
+        if not mine or f.target in self.workers_up_at:
+            self.outcome.faults["worker_kill_skipped"] += 1
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(mine[0]["pid"]), signal.SIGKILL)
+        self.workers_up_at[f.target] = now + f.arg
+        self.outcome.faults["worker_kill"] += 1
+
+    def _workers_back(self, now: float | None) -> None:
+        """The killed workers started again once their time is up (``now`` None: at once)."""
+        from photon.tools import spark_cluster
+
+        due = [w for w, at in self.workers_up_at.items() if now is None or now >= at]
+        if not due or self.spark_folder is None:
+            return
+        if self.store_up_at is not None and now is not None:
+            return  # a worker starts with the store's endpoint in its environment: once the store is back
+        back = spark_cluster.start(self.spark_folder, env=self._worker_env())
+        if back.master_url != self.master:
+            raise AssertionError(f"seed {self.p.seed}: the Spark master came back on {back.master_url}")
+        for w in due:
+            del self.workers_up_at[w]
 
     def _store_restart(self, f: Fault, now: float) -> None:
         from photon.tools import storage_server
@@ -489,7 +567,7 @@ class Nemesis:
         else:
             args += ["--run-for", f"{self.rng.uniform(*self.p.lease_s):.0f}"]
         args += ["--trigger-interval", f"{self.p.trigger_s:g}", "--max-join-delay", str(self.p.max_join_delay_s)]
-        args += ["--master", "local[1]"]
+        args += ["--master", self.master]
         extra = {"PHOTON_CRASH_AT": crash_at} if crash_at else None
         prefix = ["faketime", "-f", f"{clock_s:+.0f}s"] if clock_s else None
         return self._spawn(
@@ -519,11 +597,12 @@ class Nemesis:
                     log = sorted(self.proc_logs.glob("*-maintain.log"))[-1]
                     raise AssertionError(f"seed {self.p.seed}: photon table maintain exited {m.returncode}: {log}")
             return
-        if not isinstance(self.out, Path):  # table maintenance reads a folder only, so far
-            return
-        if now < self.maint_next_s or not self.out.is_dir():  # no pipeline has started yet: nothing to maintain
-            return
-        self.maintainer = self._spawn("maintain", ["table", "maintain", "--out", str(self.out), "--json"], None)
+        if now < self.maint_next_s or (isinstance(self.out, Path) and not self.out.is_dir()):
+            return  # no pipeline has started yet: nothing to maintain
+        args = ["table", "maintain", "--out", str(self.out), "--json"]
+        if not isinstance(self.out, Path):  # a killed run's lock is taken over within the run (StoreLock)
+            args += ["--lock-lease-s", f"{MAINT_LOCK_LEASE_S:g}"]
+        self.maintainer = self._spawn("maintain", args, None)
         self.maint_kill_at = now + self.maint_rng.uniform(0.2, 3.0) if self.maint_rng.random() < 0.4 else None
         self.maint_next_s = now + self.maint_rng.uniform(10.0, 25.0)
         self.outcome.faults["maintain"] += 1
@@ -581,6 +660,8 @@ class Nemesis:
             self._verify(f.arg, now)
         elif f.kind == "store_restart":
             self._store_restart(f, now)
+        elif f.kind == "worker_kill":
+            self._worker_kill(f, now)
         elif f.kind == "clock" and f.target not in self.lost:
             # Airflow's next lease of this pipeline lands on a host with a skewed clock: within the skew, whenever
             # the current lease ends; beyond it, now (the current lease killed): it must refuse before Spark starts.
@@ -765,11 +846,16 @@ class Nemesis:
         self.setup_registry()
         try:
             self.setup_storage()
+            self.setup_spark()
             self._live()
             self._finish()
         finally:
             for proc in [*self.joiners.values(), self.verifier]:
                 self.sigkill(proc)
+            if self.spark_folder is not None:
+                from photon.tools import spark_cluster
+
+                spark_cluster.stop(self.spark_folder, hard=True)
             self.registry.stop()
             if self.store_folder is not None:
                 from photon.tools import storage_server
@@ -827,6 +913,7 @@ class Nemesis:
                 self.registry.restart()
                 self.pg_up_at = None
             self._store_back(now)
+            self._workers_back(now)
             self._lose_primary(now)
             self._tend_failover()
             self._reap_verifier(now)
@@ -842,6 +929,7 @@ class Nemesis:
             self.registry.restart()
             self.pg_up_at = None
         self._store_back(None)
+        self._workers_back(None)
         self._lose_primary(time.monotonic() - t0, at_once=True)  # every drawn fault happens, under the last leases
         self._tend_failover(wait=True)
         for fo in self.failovers:
@@ -872,7 +960,8 @@ class Nemesis:
                 Joiner(dc, self.logs, self.out, servers, self.spark, settings).run(until_caught_up=True, drain=True)
             else:
                 args = ["join", "--dc", dc, "--logs", str(self.logs), "--out", str(self.out), "--until-caught-up"]
-                args += ["--drain", "--max-join-delay", str(self.p.max_join_delay_s), "--master", "local[2]"]
+                master = "local[2]" if self.p.spark == "local" else self.master
+                args += ["--drain", "--max-join-delay", str(self.p.max_join_delay_s), "--master", master]
                 if self._spawn(f"drain-{dc}", args, "photon_joiner").wait() != 0:
                     raise RuntimeError(f"draining {dc} failed; see {self.proc_logs}")
             self.check()
@@ -945,13 +1034,22 @@ def main(argv: list[str] | None = None) -> int:
         help="folder: logs and output in the run's folder; s3: in a bucket of a local S3 server, restarted hard "
         "(store_restart)",
     )
+    ap.add_argument(
+        "--spark",
+        choices=SPARKS,
+        default="local",
+        help="local: each lease's own Spark (local[1]); cluster: a standalone master and two workers, a worker "
+        "SIGKILLed and restarted (worker_kill); needs --storage s3",
+    )
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"photon-nemesis-{args.seed}-"))
-    p = plan(args.seed, args.seconds, args.rate, args.registry, args.storage)
+    p = plan(args.seed, args.seconds, args.rate, args.registry, args.storage, args.spark)
     if p.registry == "cluster":  # this process's own verify passes and drains are guarded too
         os.environ["PHOTON_REGISTRY_REPLICATION"] = ClusterRegistry.replication
     print(
-        f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, {p.storage}, in {work}", flush=True
+        f"nemesis seed {p.seed}: {p.seconds:.0f}s, lost {p.lost}, outage {p.outage}, {p.storage}, spark {p.spark},"
+        f" in {work}",
+        flush=True,
     )
     for f in p.faults:
         print(f"  {f.at_s:7.1f}s {f.kind} {f.target} {f.arg:.1f}", flush=True)
