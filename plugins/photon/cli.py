@@ -1356,9 +1356,6 @@ def _store_or_folder(where: str, option: str, *, must_exist: bool) -> Path | str
 
 def _folder(path: Path, option: str) -> Path:
     """A folder the user named must exist: one clear line instead of a listing of nothing."""
-    if str(path).startswith("s3:"):  # a URL where only a folder is read yet (typer made "s3://b" a path "s3:/b")
-        url = "s3://" + str(path).removeprefix("s3:").lstrip("/")
-        raise ValueError(f"{option} {url}: this command reads a folder, not an object store (yet)")
     if not path.is_dir():
         raise ValueError(f"{option} {path}: no such folder")
     return path

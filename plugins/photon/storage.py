@@ -395,6 +395,11 @@ class S3Store:
 
         if "<Code>NoSuchBucket</Code>" in str(exc):  # S3's answer for a bucket, not for a key: say it plainly
             return StorageError(f"{self.url}: the bucket {self.bucket!r} does not exist on {self._endpoint()}")
+        if "169.254.169.254" in str(exc):  # no key given: the client asked the cloud's instance metadata for one
+            return StorageError(
+                f"{self.url}: no credentials for the store: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and"
+                " AWS_ENDPOINT_URL for a store other than AWS S3), or the Airflow connection photon_storage"
+            )
         cls = NotFoundError if isinstance(exc, (_NotFound, FileNotFoundError)) else StorageError
         return cls(f"{self.url}: {key or '(listing)'}: {error_text(exc)}")
 

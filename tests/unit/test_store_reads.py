@@ -185,18 +185,19 @@ def test_a_worker_reads_each_query_object_of_a_store_once_while_it_stays_kept(tm
     assert cache.size == 400
 
 
-def test_commands_that_read_a_logs_folder_refuse_a_bucket_in_one_line(tmp_path: Path) -> None:
-    """Newcomer walk: `photon audit --logs s3://photon/logs` said "--logs s3:/photon/logs: no such folder" (the
-    URL mangled into a path, and nothing said a bucket is not read there). (`photon verify`, `photon status` and
-    `photon final` read a bucket now.)"""
+def test_a_bucket_without_credentials_is_said_in_one_line(tmp_path: Path) -> None:
+    """Newcomer walk: `photon audit --logs s3://photon/logs` said "--logs s3:/photon/logs: no such folder" (the URL
+    mangled into a path); once buckets were read, without any key it said "Generic S3 error: Error performing PUT
+    http://169.254.169.254/latest/api/token ..." (the client asking a cloud's instance metadata for one)."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root / 'plugins'}:{root}"}
-    for args in (["audit", "--out", str(tmp_path)],):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {"PYTHONPATH": f"{root / 'plugins'}:{root}", "PHOTON_STORAGE_RETRY_S": "1"}
+    for args in (["audit", "--out", str(tmp_path), "--logs"], ["verify", "--out", str(tmp_path), "--logs"]):
         r = subprocess.run(
-            [sys.executable, "-m", "photon", *args, "--logs", "s3://photon/logs"],
+            [sys.executable, "-m", "photon", *args, "s3://photon/logs"],
             env=env,
             capture_output=True,
             text=True,
@@ -204,7 +205,8 @@ def test_commands_that_read_a_logs_folder_refuse_a_bucket_in_one_line(tmp_path: 
         )
         said = (r.stdout + r.stderr).strip()
         assert r.returncode == 2 and said.splitlines() == [
-            "error: --logs s3://photon/logs: this command reads a folder, not an object store (yet)"
+            "error: s3://photon/logs: no credentials for the store: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            " (and AWS_ENDPOINT_URL for a store other than AWS S3), or the Airflow connection photon_storage"
         ], said
 
 
