@@ -44,6 +44,9 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 
     if (_archive := ensure_archive(dict(os.environ))) is not None:
         os.environ["PHOTON_SPARK_DRIVER_JAVA_OPTIONS"] += f" {java_options(_archive)}"
+# The standalone masters and workers the cluster tests start (photon.tools.spark_cluster passes the environment on),
+# and their executors (spark.executor.extraJavaOptions, set by those tests): as short-lived as the drivers.
+os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", os.environ["PHOTON_SPARK_DRIVER_JAVA_OPTIONS"])
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -96,7 +97,8 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
         # Each application one executor of one core: the two pipelines side by side, one on each worker (a lost
         # worker leaves its application without an executor until it is back).
         cap = "--conf spark.cores.max=1 --conf spark.executor.cores=1 --conf spark.executor.memory=600m"
-        env["PYSPARK_SUBMIT_ARGS"] = f"{cap} pyspark-shell"
+        jvm = shlex.quote(f"spark.executor.extraJavaOptions={os.environ['SPARK_DAEMON_JAVA_OPTS']}")
+        env["PYSPARK_SUBMIT_ARGS"] = f"{cap} --conf {jvm} pyspark-shell"
 
         files: dict[int, Path] = {}
 
