@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -839,26 +840,30 @@ def storage_up(
         raise ValueError("set both PHOTON_STORAGE_ACCESS_KEY and PHOTON_STORAGE_SECRET_KEY, or neither")
     where = folder if folder is not None else settings.home / "storage"
     credentials = (key, secret) if key and secret else None
+    asked = _stop_asked() if foreground else None  # from before the start: a SIGTERM during it stops the server too
     server = start(where, tuple(bucket or ()), host=host, bind=bind, s3_port=s3_port, credentials=credentials)
     console.print(
         f"local S3 server at {server.endpoint} (pid {server.pid}); "
         f"for its clients: source {_shown(env_file(server.folder))}"
     )
-    if foreground:
-        _serve_until_stopped(where, server.pid)
+    if asked is not None:
+        _serve_until_stopped(where, server.pid, asked)
 
 
-def _serve_until_stopped(where: Path, pid: int) -> None:
-    """Wait while the server runs; SIGTERM (``docker stop``) or SIGINT stops it and returns; its end on its own
-    exits 1."""
+def _stop_asked() -> threading.Event:
+    """Set by SIGTERM (``docker stop``) or SIGINT."""
     import signal
-    import threading
-
-    from photon.tools.storage_server import alive, stop
 
     asked = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: asked.set())
+    return asked
+
+
+def _serve_until_stopped(where: Path, pid: int, asked: threading.Event) -> None:
+    """Wait while the server runs; once ``asked``, stop it and return; its end on its own exits 1."""
+    from photon.tools.storage_server import alive, stop
+
     while not asked.wait(1.0):
         if not alive(pid):
             raise typer.Exit(1)  # stopped from elsewhere, or crashed: its log is in its folder

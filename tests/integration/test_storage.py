@@ -555,6 +555,8 @@ def test_a_deployments_server_serves_the_given_key_in_the_foreground_and_stops_o
         assert said.startswith(f"local S3 server at http://localhost:{port}"), said + proc.communicate()[0]
         server = storage_server.running(folder)
         assert server is not None and server.endpoint == f"http://localhost:{port}"
+        weed = psutil.Process(server.pid)  # the key it serves is in s3.json only: not in its environment
+        assert secret not in " ".join([*weed.cmdline(), *weed.environ().values()])
         options = {"aws_endpoint_url": f"http://localhost:{port}", "aws_access_key_id": key}
         options |= {"aws_secret_access_key": secret, "aws_region": "us-east-1"}
         store = open_store("s3://photon/x", options)

@@ -60,6 +60,7 @@ import re
 import shutil
 import sys
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -302,7 +303,12 @@ class _Snapshot:
 
                 uri, options = self.table.store.delta_location(self.table.key)
                 filesystem = PyFileSystem(DeltaStorageHandler(uri, options))
-                paths = [p.removeprefix(uri.rstrip("/") + "/") for p in paths]
+                # The log's URIs are percent-encoded (a prefix "a b" is "a%20b"), the handler takes keys as they are.
+                base = uri.rstrip("/") + "/"
+                keys = [urllib.parse.unquote(p) for p in paths]
+                if any(not k.startswith(base) for k in keys):
+                    raise QualityInputError(f"output table {self.table.uri} names data files outside it: {paths[:3]}")
+                paths = [k.removeprefix(base) for k in keys]
             schema = tables.table_schema(self.table.kind)
             schema = schema.remove(schema.get_field_index(tables.PARTITION))  # in the path, not in the files
             # The rows are filtered once read, all together, by a mask: a filter expression (in the scan or on the
@@ -670,7 +676,7 @@ def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
     import hashlib
     import tempfile
 
-    from photon.tools.maintenance import StoreLock
+    from photon.tools.maintenance import MaintenanceLockLost, StoreLock
 
     remote = out.child(QUALITY_DIR)
     lock = StoreLock(remote, PUBLISH_LEASE_S, folder="_lock", purpose="data quality")
@@ -682,8 +688,15 @@ def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
             digest = {p: hashlib.sha256(p.read_bytes()).digest() for p in root.rglob("*") if p.is_file()}
             yield root
             assets = {e.key: e.size for e in remote.listing(SITE_ASSETS)}
-            lock.check()  # half the lease left at least: the puts below end before a successor may start
-            for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            try:
+                lock.check()  # half the lease left at least: the puts below end before a successor may start
+            except MaintenanceLockLost as exc:
+                raise RuntimeError(
+                    f"data quality: this run's results were not published ({exc}); run the check again"
+                ) from None
+            # The index last: it never lists a page that is not there yet.
+            index = root / "data_docs" / "index.html"
+            for path in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: (p == index, str(p))):
                 key = path.relative_to(root).as_posix()
                 data = path.read_bytes()
                 if digest.get(path) == hashlib.sha256(data).digest() or assets.get(key) == len(data):
@@ -706,7 +719,8 @@ def _download_project(remote: Store, root: Path, index_results: int) -> None:
     def run_time(key: str) -> str:
         return key.split("/")[-2]  # 20251121T060000.000000Z: sorts as the time
 
-    keep = {e.key for e in sorted(results, key=lambda e: run_time(e.key), reverse=True)[:index_results]}
+    newest = sorted(results, key=lambda e: run_time(e.key), reverse=True)
+    keep = {e.key for e in (newest[:index_results] if index_results > 0 else newest)}  # GX: 0 is no limit
     for e in entries:
         if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6 and e.key not in keep:
             continue

@@ -236,7 +236,9 @@ def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_po
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
     cmd += [f"-{name}={port}" for name, port in ports.items()]
     log = open(folder / "server.log", "ab")  # noqa: SIM115 (the child holds it)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+    # The server's key is in s3.json (mode 600); none in its environment, where it would be the key given to us.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PHOTON_STORAGE_", "AWS_"))}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env)
     endpoint = f"http://{host}:{ports['s3.port']}"
     info = {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "endpoint": endpoint, "ports": ports}
     (folder / "server.json").write_text(json.dumps(info))
