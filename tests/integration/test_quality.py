@@ -704,9 +704,8 @@ def test_the_data_docs_index_lists_the_newest_results_only(tmp_path: Path) -> No
 
 RUN_ONE = """
 import json, sys
-from pathlib import Path
 from photon.tools.quality import QualitySettings, check_quality
-out, logs, start, end = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, logs, start, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 r = check_quality(out, logs, start, end, QualitySettings(**json.loads(sys.argv[5])))
 print(json.dumps({"success": r.success, "failed": r.failed}))
 sys.exit(0 if r.success else 1)
@@ -718,12 +717,25 @@ def test_concurrent_runs_on_different_and_the_same_hours_all_succeed(tmp_path: P
     hours, one of them twice) each pass, and the Data Docs site lists every hour. Was: the second run read GX's shared
     expectation store while another rewrote it (``TypeError: ExpectationSuite() argument after ** must be a mapping,
     not NoneType``)."""
-    import subprocess
-    import sys
 
     out, logs = World().write(tmp_path)
     # The hours after START have no input: accepted as empty, so that each run passes on its own.
     hours = [START, START, END + HOUR, END + 2 * HOUR, END + 3 * HOUR]
+    run_at_once(str(out), str(logs), hours)
+    index = (out / "_quality" / "data_docs" / "index.html").read_text()
+    listed = set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index))
+    assert listed == {f"{datetime.fromtimestamp(h / US, UTC):%Y-%m-%dT%H}" for h in hours}, listed
+
+
+EMPTY_OK: dict[str, Any] = {"allow_empty": True}
+
+
+def run_at_once(out: str, logs: str, hours: list[int]) -> None:
+    """``check_quality`` of each hour in a process of its own, all at once (the hours but START accepted empty, so
+    that each passes alone): every one must pass."""
+    import subprocess
+    import sys
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
@@ -731,8 +743,8 @@ def test_concurrent_runs_on_different_and_the_same_hours_all_succeed(tmp_path: P
                 sys.executable,
                 "-c",
                 RUN_ONE,
-                str(out),
-                str(logs),
+                out,
+                logs,
                 str(h),
                 str(h + HOUR),
                 json.dumps(EMPTY_OK if h != START else {}),
@@ -747,12 +759,6 @@ def test_concurrent_runs_on_different_and_the_same_hours_all_succeed(tmp_path: P
     done = [(p.wait(timeout=600), *p.communicate()) for p in procs]
     for code, stdout, stderr in done:
         assert code == 0, stderr[-3000:] + stdout
-    index = (out / "_quality" / "data_docs" / "index.html").read_text()
-    listed = set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index))
-    assert listed == {f"{datetime.fromtimestamp(h / US, UTC):%Y-%m-%dT%H}" for h in hours}, listed
-
-
-EMPTY_OK: dict[str, Any] = {"allow_empty": True}
 
 
 # -- on an object store ------------------------------------------------------------------------------------------
@@ -811,29 +817,13 @@ def test_output_and_logs_in_a_bucket_are_judged_as_in_folders(bucket: str, tmp_p
 def test_concurrent_runs_on_a_bucket_all_publish(bucket: str, tmp_path: Path) -> None:
     """Two processes at once on one bucket, two hours: each passes, and the index in the bucket lists both hours; the
     index built after keeps to the newest ``index_results`` though every result is in the bucket."""
-    import subprocess
-    import sys
 
     out, logs = World().write(tmp_path)
     to_bucket(out, f"s3://{bucket}/out")
     to_bucket(logs, f"s3://{bucket}/logs")
     hours = [START, END + HOUR]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = RUN_ONE.replace("Path(sys.argv[1]), Path(sys.argv[2])", "sys.argv[1], sys.argv[2]")
     where = [f"s3://{bucket}/out", f"s3://{bucket}/logs"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, *where, str(h), str(h + HOUR), json.dumps(EMPTY_OK if h != START else {})],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for h in hours
-    ]
-    done = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    for code, stdout, stderr in done:
-        assert code == 0, stderr[-3000:] + stdout
+    run_at_once(*where, hours)
     store = open_store(f"s3://{bucket}/out")
     index = store.get("_quality/data_docs/index.html").decode()
     assert set(re.findall(r"interval (\d{4}-\d\d-\d\dT\d\d)", index)) == {
