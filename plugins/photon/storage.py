@@ -373,6 +373,11 @@ class S3Store:
         if endpoint.startswith("http://"):
             config.setdefault("aws_allow_http", "true")
         self._config = config
+        if "%" in self.prefix:
+            # deltalake reads its location as a URL and decodes "%41" to "A", once more even when escaped: its tables
+            # would be under another prefix than this store's objects
+            raise StorageError(f"{self.url}: a '%' in the prefix is not supported (the output tables' library reads"
+                               " it as an escape): choose another prefix")  # fmt: skip
         try:
             if self.prefix:
                 _check_key(self.prefix)
