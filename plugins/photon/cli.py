@@ -838,7 +838,7 @@ def storage_up(
     key, secret = (v.get_secret_value() if v else "" for v in given)
     if bool(key) != bool(secret):
         raise ValueError("set both PHOTON_STORAGE_ACCESS_KEY and PHOTON_STORAGE_SECRET_KEY, or neither")
-    where = folder if folder is not None else settings.home / "storage"
+    where = _storage_folder(folder)
     credentials = (key, secret) if key and secret else None
     asked = _stop_asked() if foreground else None  # from before the start: a SIGTERM during it stops the server too
     server = start(where, tuple(bucket or ()), host=host, bind=bind, s3_port=s3_port, credentials=credentials)

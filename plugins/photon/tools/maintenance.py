@@ -183,26 +183,36 @@ def _kinds(out: Store, name: str) -> list[tables.OutputTable]:
 
 
 @contextlib.contextmanager
-def pipeline_lock(root: Store, lease_s: float = LOCK_LEASE_S) -> Iterator[Callable[[], None]]:
+def pipeline_lock(
+    root: Store,
+    lease_s: float = LOCK_LEASE_S,
+    *,
+    file: str = LOCK,
+    folder: str = LOCK_DIR,
+    purpose: str = "table maintenance",
+) -> Iterator[Callable[[], None]]:
     """Held while a run maintains the pipeline's tables at ``root``: a second run waits (two compactions of the same
     files would both commit in delta-rs, each with a copy of the rows). Publishers never take it. Yields a check to
     call before each compaction: it raises ``MaintenanceLockLost`` where the lock may no longer be this run's.
 
-    A folder's is ``flock`` on ``.maintenance.lock`` (the kernel releases it when the process dies: never stale). An
-    object store has no such lock: ``StoreLock``."""
+    A folder's is ``flock`` on ``file`` (``.maintenance.lock``; the kernel releases it when the process dies: never
+    stale). An object store has no such lock: ``StoreLock`` in ``folder``. The data-quality check's publishing takes
+    one of its own (``file``, ``folder`` and ``purpose`` its)."""
     if isinstance(root, LocalStore):
-        with open(root.root / LOCK, "a") as fh:
+        with open(root.root / file, "a") as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                log.info("table maintenance: waiting for another run maintaining %s", root.root)
+                log.info("%s: waiting for another run holding the lock of %s", purpose, root.root)
+                t0 = time.monotonic()
                 fcntl.flock(fh, fcntl.LOCK_EX)
+                log.info("%s: waited %.1f s for the lock of %s", purpose, time.monotonic() - t0, root.root)
             try:
                 yield lambda: None
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
         return
-    lock = StoreLock(root, lease_s)
+    lock = StoreLock(root, lease_s, folder, purpose)
     lock.acquire()
     try:
         yield lock.check

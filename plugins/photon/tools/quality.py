@@ -53,7 +53,6 @@ assets installed the pages keep their CDN links and a warning says so.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import re
@@ -614,25 +613,8 @@ def _context(root: Path, index_results: int) -> Any:
 
 
 PUBLISH_LOCK = ".publish.lock"  # <out>/_quality/.publish.lock: held while a run writes its results and the site
-
-
-@contextlib.contextmanager
-def _publish_lock(root: Path) -> Iterator[None]:
-    """Held while a run writes into the shared GX project and site (``_publish``): GX's file stores rewrite their
-    files in place, so a reader beside a writer reads half a file. Validating needs no lock (``check_quality``); only
-    this step waits, and says so."""
-    with open(root / PUBLISH_LOCK, "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("data quality: waiting for another run to finish writing %s", root / "data_docs")
-            t0 = time.monotonic()
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            log.info("data quality: waited %.1f s for the Data Docs site", time.monotonic() - t0)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+PUBLISH_LOCK_DIR = "_lock"  # <out>/_quality/_lock/lock-<n>.json on an object store
+PUBLISH_LEASE_S = 300.0  # the publishing lock's lease on an object store: a publish takes seconds
 
 
 def _publish(
@@ -656,32 +638,31 @@ def _publish(
     return t_localize, out.location(f"{QUALITY_DIR}/data_docs/index.html")
 
 
-PUBLISH_LEASE_S = 300.0  # the publishing lock's lease on an object store: a publish takes seconds
 SITE_ASSETS = "data_docs/static/"  # the same files for every run: uploaded once
 
 
 @contextlib.contextmanager
 def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
-    """The GX project and the Data Docs site as a folder, held by this run alone while it publishes: for an output
-    folder, ``<out>/_quality`` itself under ``_publish_lock``. GX's stores and site builder write files only, so on an
-    object store the run takes ``_quality``'s lock (a ``StoreLock``), copies the project into a temporary folder (the
-    results the index lists, not the whole history: ``_download_project``), publishes there, and puts back what it
-    wrote or changed; the site's pages are read from ``<out>/_quality/data_docs/`` in the bucket."""
-    if isinstance(out, LocalStore):
-        root = out.path(QUALITY_DIR)
-        root.mkdir(parents=True, exist_ok=True)
-        with _publish_lock(root):
-            yield root
-        return
+    """The GX project and the Data Docs site as a folder, held by this run alone while it publishes (GX's file stores
+    rewrite their files in place, so a reader beside a writer reads half a file; validating needs no lock, only this
+    step waits, and says so): ``<out>/_quality`` itself for an output folder, under ``flock`` on ``.publish.lock``.
+    GX's stores and site builder write files only, so on an object store the run takes ``_quality``'s lock (a
+    ``StoreLock``), copies the project into a temporary folder (the results the index lists, not the whole history:
+    ``_download_project``), publishes there, and puts back what it wrote or changed; the site's pages are read from
+    ``<out>/_quality/data_docs/`` in the bucket."""
     import hashlib
     import tempfile
 
-    from photon.tools.maintenance import MaintenanceLockLost, StoreLock
+    from photon.tools.maintenance import MaintenanceLockLost, pipeline_lock
 
     remote = out.child(QUALITY_DIR)
-    lock = StoreLock(remote, PUBLISH_LEASE_S, folder="_lock", purpose="data quality")
-    lock.acquire()
-    try:
+    if isinstance(remote, LocalStore):
+        remote.root.mkdir(parents=True, exist_ok=True)
+    lock = pipeline_lock(remote, PUBLISH_LEASE_S, file=PUBLISH_LOCK, folder=PUBLISH_LOCK_DIR, purpose="data quality")
+    with lock as still_held:
+        if isinstance(remote, LocalStore):
+            yield remote.root
+            return
         with tempfile.TemporaryDirectory(prefix="photon-quality-") as tmp:
             root = Path(tmp)
             _download_project(remote, root, s.index_results)
@@ -689,7 +670,7 @@ def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
             yield root
             assets = {e.key: e.size for e in remote.listing(SITE_ASSETS)}
             try:
-                lock.check()  # half the lease left at least: the puts below end before a successor may start
+                still_held()  # half the lease left at least: the puts below end before a successor may start
             except MaintenanceLockLost as exc:
                 raise RuntimeError(
                     f"data quality: this run's results were not published ({exc}); run the check again"
@@ -702,8 +683,6 @@ def _project(out: Store, s: QualitySettings) -> Iterator[Path]:
                 if digest.get(path) == hashlib.sha256(data).digest() or assets.get(key) == len(data):
                     continue  # unchanged since downloaded, or an asset already there
                 remote.put(key, data)
-    finally:
-        lock.release()
 
 
 VALIDATIONS = "gx/uncommitted/validations/"  # <suite>/<run name>/<run time>/<batch>.json (GX's file layout)
@@ -714,15 +693,12 @@ def _download_project(remote: Store, root: Path, index_results: int) -> None:
     and of its validation results the newest ``index_results`` by run time (as GX's index picks them): the index
     built here lists what it would list over the whole history, and a run downloads a week of results, not a year."""
     entries = [e for e in remote.listing("gx") if not e.key.endswith("/")]
-    results = [e for e in entries if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6]
-
-    def run_time(key: str) -> str:
-        return key.split("/")[-2]  # 20251121T060000.000000Z: sorts as the time
-
-    newest = sorted(results, key=lambda e: run_time(e.key), reverse=True)
-    keep = {e.key for e in (newest[:index_results] if index_results > 0 else newest)}  # GX: 0 is no limit
+    results = {e.key for e in entries if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6}
+    # <run time>: 20251121T060000.000000Z, which sorts as the time
+    newest = sorted(results, key=lambda key: key.split("/")[-2], reverse=True)
+    keep = set(newest[:index_results] if index_results > 0 else newest)  # GX: 0 is no limit
     for e in entries:
-        if e.key.startswith(VALIDATIONS) and e.key.count("/") >= 6 and e.key not in keep:
+        if e.key in results and e.key not in keep:
             continue
         path = root / e.key
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -880,7 +856,7 @@ def check_quality(
                     details.append(f"{failed[-1]}: {_observed(r.result)}{_HINTS.get(cfg.kwargs.get('column'), '')}")
     t_docs = time.monotonic()
     phases["validation"] = t_docs - t_run
-    t_localize, docs_index = _publish(as_store(out), s, _suites(gx, s), results, ExpectationSuiteIdentifier)
+    t_localize, docs_index = _publish(out, s, _suites(gx, s), results, ExpectationSuiteIdentifier)
     phases["data_docs"] = t_localize - t_docs
     phases["localize"] = time.monotonic() - t_localize
     window = f"[{_iso(start_us)}, {_iso(end_us)})"
