@@ -47,12 +47,19 @@ def committed(dsn: str) -> dict[str, int]:
         return {str(p): int(n) for p, n in cur.fetchall()}
 
 
-def wait_for_batches(dsn: str, after: dict[str, int], more: int, leases: list[subprocess.Popen[str]]) -> None:
-    """Until each pipeline has committed ``more`` batches past ``after`` (its leases still running)."""
+def wait_for_batches(
+    dsn: str, after: dict[str, int], more: int, leases: list[subprocess.Popen[str]], said: Callable[[int], str]
+) -> None:
+    """Until each pipeline has committed ``more`` batches past ``after`` (its leases still running); a lease that
+    ended or a deadline passed fails with what the leases printed (``said`` of a pid)."""
     deadline = time.monotonic() + 300
     while any(committed(dsn).get(dc, 0) < after.get(dc, 0) + more for dc in DCS):
-        dead = [p.args for p in leases if p.poll() is not None]
-        assert not dead and time.monotonic() < deadline, (dead, committed(dsn), after)
+        dead = [p for p in leases if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            ended = {" ".join(map(str, p.args[3:6])): p.returncode for p in dead}
+            raise AssertionError(f"{ended or 'too slow'}: {committed(dsn)} after {after}\n" + "\n".join(
+                said(p.pid) for p in (dead or leases)
+            ))  # fmt: skip
         time.sleep(0.2)
 
 
@@ -113,6 +120,10 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             files[p.pid] = said
             return p
 
+        def tail(pid: int) -> str:
+            """The end of what a lease printed, for a failure's message."""
+            return "".join(files[pid].with_suffix(s).read_text()[-4000:] for s in (".out", ".err"))
+
         def output(p: subprocess.Popen[str]) -> tuple[str, str]:
             p.wait(timeout=300)
             return files[p.pid].with_suffix(".out").read_text(), files[p.pid].with_suffix(".err").read_text()
@@ -147,7 +158,7 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
                 assert time.monotonic() < deadline and all(p.poll() is None for p in leases), "no lease started"
                 time.sleep(0.2)
             writer.start()
-            wait_for_batches(admin, {}, 2, leases)
+            wait_for_batches(admin, {}, 2, leases, tail)
             # A worker lost with its executor (its whole process group: the machine gone), while a task runs.
             worker = cluster.processes[2]
             wait_until_busy(folder / "worker-2")
@@ -157,12 +168,12 @@ def test_both_pipelines_on_a_cluster_sharing_only_the_bucket_lose_a_worker_and_t
             time.sleep(2.0)
             back = spark_cluster.start(folder, env={**code, **s3_server.env()})
             assert back.master_url == cluster.master_url and back.processes[2]["pid"] != worker["pid"]
-            wait_for_batches(admin, before, 2, leases)
+            wait_for_batches(admin, before, 2, leases, tail)
             # The S3 server SIGKILLed and started again on its endpoint, within the requests' retry budget (30 s).
             storage_server.stop(s3_server.folder, hard=True)
             time.sleep(3.0)
             assert storage_server.start(s3_server.folder).endpoint == s3_server.endpoint
-            wait_for_batches(admin, committed(admin), 2, leases)
+            wait_for_batches(admin, committed(admin), 2, leases, tail)
             stop.set()
             writer.join(timeout=120)
             assert not writer.is_alive() and not failed, failed

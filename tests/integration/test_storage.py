@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import secrets
 import signal
 import subprocess
@@ -593,3 +594,28 @@ def test_a_prefix_with_a_percent_sign_is_refused_in_one_line(bucket: str) -> Non
     )  # fmt: skip
     said = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(said) == 1 and "a '%' in the prefix is not supported" in said[0], said
+
+
+def test_a_server_stopped_hard_is_gone_with_its_listeners_and_comes_back_on_its_endpoint(
+    s3_server: storage_server.Server, bucket: str
+) -> None:
+    """Found when a lease's requests went to a dead port for their whole budget: `stop --hard` returned while the
+    killed server (a Go process of many threads, its leader already a zombie) still held its S3 port, so the next
+    start found the port taken and took another; every client, and every executor given the endpoint in its
+    environment, then knocked on the old one. Eight rounds, each with requests made just before the kill."""
+    store = open_store(f"s3://{bucket}/p")
+    ports = []
+    try:
+        for i in range(8):
+            for n in range(5):  # connections open and closing when the kill comes
+                store.put(f"k{i}-{n}", b"x")
+            storage_server.stop(s3_server.folder, hard=True)
+            port = int(s3_server.endpoint.rsplit(":", 1)[1])
+            with socket.socket() as s:  # stopped means its listener is closed: the port binds
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+            ports.append(storage_server.start(s3_server.folder).endpoint)
+    finally:
+        storage_server.start(s3_server.folder)
+    assert ports == [s3_server.endpoint] * 8
+    assert store.get("k7-4") == b"x"

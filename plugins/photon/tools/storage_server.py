@@ -351,10 +351,20 @@ def _gone_within(pid: int, seconds: float, poll_s: float) -> bool:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return True
-        if not alive(pid):
+        if not alive(pid) and _threads(pid) <= 1:
             return True
         time.sleep(poll_s)
     return False
+
+
+def _threads(pid: int) -> int:
+    """How many of ``pid``'s threads are left (0: no such process). A Go server's leader is a zombie while its other
+    threads still exit, and until the last has, its sockets are open: its S3 port still listens, and a restart right
+    after `stop --hard` found it taken and moved to another, away from every client holding the endpoint."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def stop(folder: Path, *, hard: bool = False) -> bool:
