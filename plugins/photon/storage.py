@@ -22,16 +22,18 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from photon.durable import fsync_dir, make_dirs
 
 if TYPE_CHECKING:
     from obstore.store import RetryConfig, S3Config
+
+T = TypeVar("T")
 
 
 class StorageError(OSError):
@@ -430,7 +432,7 @@ class S3Store:
 
         folder = prefix.strip("/")
         try:
-            found = self._walk(_check_key(folder) if folder else None, after)
+            found = _again(lambda: self._walk(_check_key(folder) if folder else None, after))
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             if isinstance(exc, StorageError):
                 raise
@@ -464,7 +466,8 @@ class S3Store:
 
         folder = prefix.strip("/")
         try:
-            found = obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None)["objects"]
+            level = _again(lambda: obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None))
+            found = level["objects"]
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, prefix) from None
         under = f"{folder}/" if folder else ""  # not the folder itself, as SeaweedFS lists an emptied one (listing)
@@ -585,7 +588,7 @@ class S3Store:
 
         folder = prefix.strip("/")
         try:
-            level = obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None)
+            level = _again(lambda: obstore.list_with_delimiter(self._store, _check_key(folder) if folder else None))
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, prefix) from None
         return sorted((str(p).rstrip("/").rpartition("/")[2] for p in level["common_prefixes"]), key=str.encode)
@@ -685,6 +688,25 @@ def _retry_s() -> float:
 # 1.5 s. The pause between tries grows to 2 s at most, so a store back within the budget is found within 2 s.
 MAX_BACKOFF_S = 2.0
 MAX_RETRIES = 10_000  # never the bound: the budget is
+
+
+def _again(read: Callable[[], T]) -> T:
+    """A listing ``read``, tried again within the budget when its answer broke off after its head (a server killed
+    while it answered): the client retries an object's read so, never a listing, and a lease's listing failed when
+    the store restarted. Any other failure is raised at once."""
+    import obstore
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+    def broke_off(exc: BaseException) -> bool:
+        return isinstance(exc, obstore.exceptions.GenericError) and "body error" in str(exc)
+
+    retrying = Retrying(
+        stop=stop_after_delay(_retry_s()),
+        wait=wait_random_exponential(multiplier=0.1, max=MAX_BACKOFF_S),
+        retry=retry_if_exception(broke_off),
+        reraise=True,
+    )
+    return retrying(read)
 
 
 def _retry_config() -> dict[str, Any]:

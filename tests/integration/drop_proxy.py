@@ -1,7 +1,8 @@
 """An HTTP/1.1 proxy in front of an S3 endpoint (a reviewer's, kept as a test helper): it forwards every request,
 and for the first ``drops`` requests that ``match`` (method, path, headers) it forwards the request, reads the
 server's answer, then closes the client's connection without sending it: the request took effect, the client never
-heard. ``DropProxy(upstream_port, match, drops=1).port``."""
+heard. With ``cut=True`` it sends the answer's head and half its body instead, then closes (a server killed while it
+answered). ``DropProxy(upstream_port, match, drops=1).port``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from collections.abc import Callable
 
 
 class DropProxy:
-    def __init__(self, upstream_port: int, match: Callable[[str, str, dict[str, str]], bool], drops: int = 1):
+    def __init__(
+        self, upstream_port: int, match: Callable[[str, str, dict[str, str]], bool], drops: int = 1, cut: bool = False
+    ):
         self.upstream_port = upstream_port
+        self.cut = cut
         self.match = match
         self.drops_left = drops
         self.dropped: list[str] = []
@@ -76,8 +80,9 @@ class DropProxy:
                     drop = self.drops_left > 0 and self.match(method, path, hd)
                     if drop:
                         self.drops_left -= 1
-                        self.dropped.append(f"{method} {path} -> {r.status} (answer dropped)")
-                if drop:
+                        how = "cut" if self.cut else "dropped"
+                        self.dropped.append(f"{method} {path} -> {r.status} (answer {how})")
+                if drop and not self.cut:
                     return  # the finally closes the client's connection: no answer at all
                 out = [f"HTTP/1.1 {r.status} {r.reason}\r\n".encode()]
                 for k, v in r.getheaders():
@@ -91,6 +96,9 @@ class DropProxy:
                 else:
                     out.append(f"Content-Length: {len(data)}\r\n".encode())
                 out.append(b"\r\n")
+                if drop:  # cut: the head and half the body, then the connection closes (the finally)
+                    c.sendall(b"".join(out) + data[: len(data) // 2])
+                    return
                 c.sendall(b"".join(out) + (b"" if method == "HEAD" else data))
         except (OSError, ValueError):
             return
