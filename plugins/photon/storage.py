@@ -610,8 +610,9 @@ class S3Store:
 
         keys = [e.key for e in self.listing(prefix)]
         for i in range(0, len(keys), 1000):  # DeleteObjects: up to 1,000 keys a request (a stage's are dozens)
+            chunk = keys[i : i + 1000]
             try:
-                obstore.delete(self._store, keys[i : i + 1000])
+                _again(functools.partial(obstore.delete, self._store, chunk))
             except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
                 continue
             except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
@@ -690,23 +691,40 @@ MAX_BACKOFF_S = 2.0
 MAX_RETRIES = 10_000  # never the bound: the budget is
 
 
-def _again(read: Callable[[], T]) -> T:
-    """A listing ``read``, tried again within the budget when its answer broke off after its head (a server killed
-    while it answered): the client retries an object's read so, never a listing, and a lease's listing failed when
-    the store restarted. Any other failure is raised at once."""
+def _again(act: Callable[[], T]) -> T:
+    """An idempotent request ``act`` (a listing, a bulk delete), tried again within the budget when it was cut off
+    midway (a server killed while it answered): the client retries a request that got no answer and an object's
+    read whose body broke off, never a listing's body or a POST; a lease's listing and its stage's removal failed so
+    when the store restarted. Any other failure is raised at once."""
     import obstore
-    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-    def broke_off(exc: BaseException) -> bool:
-        return isinstance(exc, obstore.exceptions.GenericError) and "body error" in str(exc)
+    return again(act, lambda exc: isinstance(exc, obstore.exceptions.GenericError) and broke_off(exc))
+
+
+# What a store's client says of a request cut off by a server that went away mid-answer (or mid-request): a listing's
+# body broken off, a connection reset under a conditional put or a Delta commit, which no client retries by itself.
+_BROKE_OFF = re.compile(
+    r"body error|reset by peer|connection closed|broken pipe|end of file before message length", re.IGNORECASE
+)
+
+
+def broke_off(exc: BaseException) -> bool:
+    """Whether ``exc`` says a request was cut off midway (``_BROKE_OFF``): worth trying again if it is idempotent."""
+    return _BROKE_OFF.search(str(exc)) is not None
+
+
+def again(act: Callable[[], T], retry: Callable[[BaseException], bool]) -> T:
+    """``act`` (idempotent), tried again while it fails with an error ``retry`` accepts, within the budget
+    (PHOTON_STORAGE_RETRY_S)."""
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
     retrying = Retrying(
         stop=stop_after_delay(_retry_s()),
         wait=wait_random_exponential(multiplier=0.1, max=MAX_BACKOFF_S),
-        retry=retry_if_exception(broke_off),
+        retry=retry_if_exception(retry),
         reraise=True,
     )
-    return retrying(read)
+    return retrying(act)
 
 
 def _retry_config() -> dict[str, Any]:

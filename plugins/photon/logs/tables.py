@@ -38,7 +38,7 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
-from photon.storage import LocalStore, StorageError, Store, as_store, error_text
+from photon.storage import LocalStore, StorageError, Store, again, as_store, broke_off, error_text
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -278,7 +278,7 @@ def publish_batch(
     adds = staged_adds(store, stage)
     done: dict[str, str] = {}
     for kind in (JOINED, UNJOINABLE, QUARANTINE):
-        table = _publisher_table(store, kind)
+        _publisher_table(store, kind)  # every kind's table made at the first publish, with or without rows
         files = adds.get(kind, [])
         if not files:
             done[kind] = "none"
@@ -291,24 +291,32 @@ def publish_batch(
             app_transactions=[Transaction(app_id(pipeline), batch)],
             custom_metadata={"photon.pipeline": pipeline, "photon.batch": batch},
         )
-        while True:
-            with store_errors(store, kind):
-                table.update_incremental()
-            have = table.transaction_version(app_id(pipeline))
-            if have is not None and have >= batch:
-                done[kind] = "already"
-                break
-            try:
+
+        def commit(
+            kind: str = kind, actions: list[AddAction | RemoveAction] = actions, props: CommitProperties = props
+        ) -> str:
+            table = _publisher_table(store, kind)
+            while True:
                 with store_errors(store, kind):
-                    table.create_write_transaction(
-                        actions, "append", table_schema(kind), [PARTITION], commit_properties=props
-                    )
-                done[kind] = "committed"
-                if committed is not None:
-                    committed(kind)
-                break
-            except CommitFailedError:
-                continue  # another publisher committed first: read the table again and see what it holds
+                    table.update_incremental()
+                have = table.transaction_version(app_id(pipeline))
+                if have is not None and have >= batch:
+                    return "already"
+                try:
+                    with store_errors(store, kind):
+                        table.create_write_transaction(
+                            actions, "append", table_schema(kind), [PARTITION], commit_properties=props
+                        )
+                    return "committed"
+                except CommitFailedError:
+                    continue  # another publisher committed first: read the table again and see what it holds
+
+        # A request cut off by a store that went away (a commit's put reset mid-way is retried by no client): read the
+        # table again and commit, or find the commit that landed; the store SIGKILLed under 3 publishers failed 3 of
+        # 20 kills so, and the lease with them.
+        done[kind] = again(commit, lambda exc: isinstance(exc, StorageError) and broke_off(exc))
+        if committed is not None and done[kind] == "committed":
+            committed(kind)
     return done
 
 
