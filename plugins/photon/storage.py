@@ -544,28 +544,22 @@ class S3Store:
             except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
                 raise self._error(exc, key) from None
             return True
+
         # The client never retries a conditional put once sent (it is not idempotent): after a store restart its
         # pooled connection failed it at once. Tried again here within the retry budget; and since a try whose answer
         # was lost may have written the object, "it exists" means this put's when the object holds these very bytes
         # (a reviewer's proxy dropping one answer made the lease start's probe refuse a sound store).
-        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+        def create() -> bool:
+            try:
+                obstore.put(self._store, _check_key(key), data, mode="create")
+            except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+                return self._holds(key, data)  # S3 answers a lost race 412; some stores 409
+            return True
 
-        retrying = Retrying(
-            stop=stop_after_delay(_retry_s()),
-            wait=wait_random_exponential(multiplier=0.1, max=MAX_BACKOFF_S),
-            retry=retry_if_exception_type(obstore.exceptions.GenericError),
-            reraise=True,
-        )
         try:
-            for attempt in retrying:
-                with attempt:
-                    try:
-                        obstore.put(self._store, _check_key(key), data, mode="create")
-                    except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
-                        return self._holds(key, data)  # S3 answers a lost race 412; some stores 409
+            return again(create, lambda exc: isinstance(exc, obstore.exceptions.GenericError))
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
             raise self._error(exc, key) from None
-        return True
 
     def _holds(self, key: str, data: bytes) -> bool:
         try:
@@ -716,6 +710,11 @@ def broke_off(exc: BaseException) -> bool:
 def again(act: Callable[[], T], retry: Callable[[BaseException], bool]) -> T:
     """``act`` (idempotent), tried again while it fails with an error ``retry`` accepts, within the budget
     (PHOTON_STORAGE_RETRY_S)."""
+    try:
+        return act()
+    except BaseException as exc:  # the first try outside tenacity: the settings' read (2 ms) only when one fails
+        if not retry(exc):
+            raise
     from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
     retrying = Retrying(
