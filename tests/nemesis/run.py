@@ -363,6 +363,8 @@ class Nemesis:
         self.maintainer: subprocess.Popen[bytes] | None = None
         self.maint_next_s = self.maint_rng.uniform(8.0, 20.0)
         self.maint_kill_at: float | None = None
+        self.store_past_budget = False  # the S3 server's current outage outlasts the requests' retry budget
+        self.maint_saw_outage = False  # the S3 server was down past the budget while the running maintainer ran
         self.outcome = Outcome(p.seed, p.seconds)
         self.joiners: dict[str, subprocess.Popen[bytes] | None] = dict.fromkeys(DCS)
         # A kill lands a random moment after the lease's first batch (its Spark session up), so that kills hit
@@ -484,6 +486,7 @@ class Nemesis:
             return
         storage_server.stop(self.store_folder, hard=True)
         self.store_up_at = now + f.arg
+        self.store_past_budget = f.arg > STORAGE_RETRY_S
         self.outcome.faults["store_restart"] += 1
         self.outcome.faults["store_restart_past_budget"] += f.arg > STORAGE_RETRY_S
 
@@ -587,14 +590,18 @@ class Nemesis:
         them SIGKILLed 0.2-3 s in: mid-compaction, mid-checkpoint or mid-vacuum."""
         m = self.maintainer
         if m is not None:
+            self.maint_saw_outage |= self.store_up_at is not None and self.store_past_budget
             if m.poll() is None and self.maint_kill_at is not None and now >= self.maint_kill_at:
                 self.sigkill(m)
                 self.outcome.faults["maintain_killed"] += 1
             if m.poll() is not None:
                 self.outcome.faults[f"maintain_exit_{m.returncode}"] += 1
                 self.maintainer = None
-                if m.returncode not in (0, -signal.SIGKILL):  # it found the tables wrong, or failed: never allowed
-                    log = sorted(self.proc_logs.glob("*-maintain.log"))[-1]
+                log = sorted(self.proc_logs.glob("*-maintain.log"))[-1]
+                if m.returncode == 2 and self.maint_saw_outage and "error: s3://" in log.read_text():
+                    # the store down past the retry budget: one line naming it, the next run does the work
+                    self.outcome.faults["maintain_failed_store_down"] += 1
+                elif m.returncode not in (0, -signal.SIGKILL):  # it found the tables wrong, or failed: never allowed
                     raise AssertionError(f"seed {self.p.seed}: photon table maintain exited {m.returncode}: {log}")
             return
         if now < self.maint_next_s or (isinstance(self.out, Path) and not self.out.is_dir()):
@@ -603,6 +610,7 @@ class Nemesis:
         if not isinstance(self.out, Path):  # a killed run's lock is taken over within the run (StoreLock)
             args += ["--lock-lease-s", f"{MAINT_LOCK_LEASE_S:g}"]
         self.maintainer = self._spawn("maintain", args, None)
+        self.maint_saw_outage = False
         self.maint_kill_at = now + self.maint_rng.uniform(0.2, 3.0) if self.maint_rng.random() < 0.4 else None
         self.maint_next_s = now + self.maint_rng.uniform(10.0, 25.0)
         self.outcome.faults["maintain"] += 1
