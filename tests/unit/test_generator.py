@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from photon.logs.layout import partition_of
 from photon.tools.generator import MALFORMED_KINDS, GeneratorSettings, Outage, expectation, generate
 
 START = 1_763_700_000_000_000
@@ -160,6 +161,60 @@ def test_live_mode_writes_files_as_they_arrive_and_outages_catch_up(tmp_path: Pa
         assert path.exists() and path.stat().st_mtime * US >= row.arrival_us - 50_000
     assert not list(tmp_path.rglob("*.inprogress"))
     assert report.seconds >= 4
+
+
+def test_a_stalled_live_writer_records_when_its_files_really_arrived(tmp_path: Path) -> None:
+    """A writer held up (a stalled process, a store down past its retry budget) puts files after their planned
+    arrival. The manifest must say when each file was there and put it in that minute's partition: a checker that
+    believed the plan demanded joins of clicks whose query in truth arrived after their deadline (nemesis seed
+    71212, s3: 20 clicks)."""
+    import time
+
+    stalls = iter([2.5])
+
+    def stalling_sleep(s: float) -> None:  # the third second in: the generator stops for 2.5 s once
+        if time.time() * US > start + 1.5 * US:
+            time.sleep(next(stalls, s))
+        else:
+            time.sleep(s)
+
+    s = GeneratorSettings(
+        events_per_s=400,
+        rotate_s=0.5,
+        chunk_s=1.0,
+        query_lag_median_s=0.2,
+        click_lag_median_s=0.1,
+        late_query_file_fraction=0.0,
+        max_join_delay_s=2.0,
+        boundary_margin_s=0.2,
+        click_delay_median_s=0.3,
+    )
+    start = int(time.time() * US)
+    generate(s, tmp_path, start_us=start, end_us=start + 3 * US, live=True, sleep=stalling_sleep)
+    files = pq.read_table(tmp_path / "_manifest" / "files.parquet").to_pandas()
+    late = 0
+    for row in files.itertuples():
+        path = tmp_path / row.dc / row.kind / row.name
+        assert path.exists(), row.name
+        # There when the manifest says, not later; in the partition of a moment it was being written.
+        assert row.arrival_us * 1000 >= path.stat().st_mtime_ns, row.name
+        assert row.name.rsplit("/", 1)[0] in {partition_of(row.arrival_us), partition_of(row.arrival_us - US)}
+        late += row.arrival_us > row.close_us + 2 * US
+    assert late > 0  # the stall held files up
+    clicks = pq.read_table(tmp_path / "_manifest" / "clicks.parquet").to_pandas()
+    arrived = {}
+    for row in files[files.kind == "queries"].itertuples():
+        for line in (tmp_path / row.dc / row.kind / row.name).read_bytes().splitlines():
+            try:
+                qid = json.loads(line)["query_id"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            arrived[qid] = min(arrived.get(qid, row.arrival_us), row.arrival_us)
+    must = clicks[clicks.expect == "join"]
+    assert len(must) > 0
+    for c in must.itertuples():  # a click the manifest says must join had its query there in time, truly
+        assert arrived[c.query_id] <= c.click_ts_us + (s.max_join_delay_s - s.boundary_margin_s) * US, c.click_id
+    assert (clicks.expect == "unjoinable").sum() > 0  # and some that the stall made too late are owed nothing
 
 
 def test_cli_generates_historical_logs_with_overrides(tmp_path: Path) -> None:

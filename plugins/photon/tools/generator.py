@@ -672,7 +672,8 @@ def generate(
     ``manifest`` (default ``logs/_manifest/``). ``logs``: a folder, or an s3:// URL (each file one PutObject: whole
     once it exists; the manifest then goes to a folder of its own, ``manifest``). Historical mode writes as fast as
     it can; live mode writes each replica's files at their arrival times (so start_us should be about now) and
-    returns once the last one has arrived."""
+    returns once the last one has arrived. In live mode the manifest records when each file truly arrived (a writer
+    held up writes late, under the minute it writes in) and owes a click its join by those times."""
     store = open_store(logs) if str(logs).startswith("s3://") else None
     if store is not None and manifest is None:
         raise ValueError(f"{logs}: logs in a bucket need a manifest folder of their own (--manifest)")
@@ -696,7 +697,17 @@ def generate(
     _warn_on_overlap(mdir, run, start_us, end_us)
     query_arrival: dict[tuple[int, int], int] = {}  # (query server, seq) -> first arrival over replicas
     file_rows: list[tuple[str, str, str, int, int, int, int]] = []
-    pending: list[tuple[int, int, int, str, str, str, bytes]] = []  # live: (at, order, open, dc, kind, name, data)
+    # live: (planned arrival, order, opened, dc, kind, name, data, (lines, malformed, closed))
+    pending: list[tuple[int, int, int, str, str, str, bytes, tuple[int, int, int]]] = []
+    query_file: dict[str, tuple[int, int]] = {}  # live: a query file's name -> (query server, seq)
+    clicks_held: list[pa.Table] = []
+
+    def landed(dc: str, kind: str, rel: str, row: tuple[int, int, int], at: int) -> None:
+        file_rows.append((dc, kind, rel, *row, at))
+        if kind == "queries":
+            key = query_file[rel.rsplit("/", 1)[-1]]
+            query_arrival[key] = min(at, query_arrival.get(key, at))
+
     expect_counts: dict[str, int] = {}
     # Parts are written under a dot name (readers skip those) and renamed once whole.
     clicks_part = clicks_dir / f".{run}.parquet.tmp"
@@ -706,15 +717,19 @@ def generate(
             for kind, name, a, b, bad, close, srv, seq in chunk.files:
                 data = file_bytes(chunk.lines, a, b)
                 arr = arrivals.of(kind, close)
-                if kind == "queries":
+                if kind == "queries" and not live:
                     query_arrival[(srv, seq)] = min(arr.values())
+                if kind == "queries" and live:
+                    query_file[name] = (srv, seq)
                 first_copy: Path | None = None
                 for dc, at in arr.items():
+                    if live:  # its partition and arrival are those of the moment it is written (_drain)
+                        row = (b - a, bad, close)
+                        pending.append((at, len(pending), close - rot, dc, kind, name, bytes(data), row))
+                        continue
                     rel = f"{partition_of(at)}/{name}"  # under the minute it arrives in this replica (EVENTS.md)
                     file_rows.append((dc, kind, rel, b - a, bad, close, at))
-                    if live:
-                        pending.append((at, len(pending), close - rot, dc, kind, rel, bytes(data)))
-                    elif store is not None:
+                    if store is not None:
                         store.put(f"{dc}/{kind}/{rel}", bytes(data))
                     elif first_copy is None:
                         first_copy = logs / dc / kind / rel
@@ -725,15 +740,20 @@ def generate(
                 report.bytes += len(data)
                 report.lines += b - a
                 report.malformed_lines += bad
-            _add_manifest_rows(writer, chunk.clicks, query_arrival, settings, expect_counts)
+            if live:  # whether a click must join depends on when its query truly arrived: written at the end
+                clicks_held.append(chunk.clicks)
+            else:
+                _add_manifest_rows(writer, chunk.clicks, query_arrival, settings, expect_counts)
             report.clicks += chunk.clicks.num_rows
             chunk_end = max((f[5] for f in chunk.files), default=start_us)
             if on_progress:
                 on_progress(min(end_us, chunk_end) - start_us, end_us - start_us)
             if live:  # the next chunk's first file closes after this one's end: write until then
-                _drain(pending, store or logs, sleep, until_us=min(end_us, chunk_end))
+                _drain(pending, store or logs, sleep, landed, until_us=min(end_us, chunk_end))
         if live:
-            _drain(pending, store or logs, sleep, until_us=None)
+            _drain(pending, store or logs, sleep, landed, until_us=None)
+            for clicks in clicks_held:
+                _add_manifest_rows(writer, clicks, query_arrival, settings, expect_counts)
     finally:
         writer.close()
     report.queries = world.queries_logged
@@ -866,23 +886,37 @@ def _add_manifest_rows(
     )
 
 
-def _drain(pending: list[Any], logs: Path | Store, sleep: Callable[[float], None], until_us: int | None) -> None:
+def _drain(
+    pending: list[Any],
+    logs: Path | Store,
+    sleep: Callable[[float], None],
+    landed: Callable[[str, str, str, tuple[int, int, int], int], None],
+    until_us: int | None,
+) -> None:
     """Live mode: write each replica's files at their arrival (wall-clock) time, until ``until_us`` (or until none
-    is left). In a folder, a file still on its way has an ``.inprogress`` copy of its first half where it will
-    appear (an object store shows nothing before the put)."""
+    is left), and tell ``landed`` each file's partition and when it was there. A writer held up (a stalled process,
+    a store down) writes late: a file goes under the minute it is written in, as a log writer's would (EVENTS.md),
+    and its arrival is when its write returned, never the plan, so the manifest never owes a join of a click whose
+    query in truth came after its deadline. In a folder, a file still on its way has an ``.inprogress`` copy of its
+    first half where it is planned to appear (an object store shows nothing before the put)."""
     pending.sort()
     while pending and (until_us is None or time.time() * US < until_us):
-        now = int(time.time() * US)
-        while pending and pending[0][0] <= now:
-            _, _, _, dc, kind, name, data = pending.pop(0)
+        while pending and pending[0][0] <= time.time() * US:
+            at, _, _, dc, kind, name, data, row = pending.pop(0)
+            rel = f"{partition_of(int(time.time() * US))}/{name}"
             if isinstance(logs, Path):
-                write_file(logs / dc / kind / name, data)
+                planned = f"{partition_of(at)}/{name}"
+                write_file(logs / dc / kind / rel, data)
+                if planned != rel:  # written in a later minute than planned: its first half stays behind
+                    (logs / dc / kind / (planned + ".inprogress")).unlink(missing_ok=True)
             else:
-                logs.put(f"{dc}/{kind}/{name}", data)
-        for _, _, opened, dc, kind, name, data in pending if isinstance(logs, Path) else ():
+                logs.put(f"{dc}/{kind}/{rel}", data)
+            landed(dc, kind, rel, row, int(time.time() * US))
+        now = time.time() * US
+        for at, _, opened, dc, kind, name, data, _ in pending if isinstance(logs, Path) else ():
             if opened > now:
                 break  # sorted by arrival, not opening; good enough to bound the scan
-            partial = logs / dc / kind / (name + ".inprogress")
+            partial = logs / dc / kind / f"{partition_of(at)}/{name}.inprogress"
             if not partial.exists():
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_bytes(data[: len(data) // 2])
