@@ -4,7 +4,8 @@ side in one run, on a local S3 server (SeaweedFS, as `photon storage up` runs it
 1. Throughput: the same logs (the generator's bytes, key for key) joined `--until-caught-up` from the folder and
    from the bucket, ``--repeat`` times each, alternating which goes first, each on a fresh registry and output:
    events/s (median, spread) and the ratio bucket/folder (the issue's goal: at least 0.7), on two workloads (the
-   bench's default, and many small files: the per-object request cost).
+   bench's default, and many small files: the per-object request cost), and the requests a batch makes on the
+   bucket by type (LIST, GET, PUT, COPY, DELETE, ...: as the S3 server counted them, deltalake's included).
 2. Live: both pipelines over live logs written at ``--live-rate`` events/s per replica into the folder, then into
    the bucket: click latency p50/p90 from the audit (goal: the bucket's p90 within 1 s of the folder's).
 3. Listing: one trigger's ``Discovery.new_files`` from a caught-up pipeline's mark, with 1,000 and then
@@ -51,8 +52,8 @@ from photon.tools.generator import GeneratorSettings, generate
 US = 1_000_000
 
 
-def throughput(spark: Any, pg: EmbeddedPostgres, root: Path, bucket: str, name: str, s: GeneratorSettings,
-               seconds: float, repeat: int) -> dict[str, Any]:  # fmt: skip
+def throughput(spark: Any, pg: EmbeddedPostgres, server: storage_server.Server, root: Path, bucket: str, name: str,
+               s: GeneratorSettings, seconds: float, repeat: int) -> dict[str, Any]:  # fmt: skip
     start = (int(time.time()) - 3_600) * US
     start -= start % int(s.rotate_s * US)
     folder, url = root / f"{name}-logs", f"s3://{bucket}/{name}"
@@ -62,12 +63,18 @@ def throughput(spark: Any, pg: EmbeddedPostgres, root: Path, bucket: str, name: 
     files = sum(1 for _ in (folder / DC).rglob("*.jsonl"))
     runs: dict[str, list[float]] = {"folder": [], "bucket": []}
     joined: dict[str, set[int]] = {"folder": set(), "bucket": set()}
+    per_batch: list[dict[str, float]] = []  # the bucket's runs: requests the server answered, by type, per batch
     for r in range(repeat):
         for where in ("folder", "bucket") if r % 2 == 0 else ("bucket", "folder"):
             db = f"bench_os_{name}_{where}_{r}"
             # Each side's output and state where its logs are: a folder, or the bucket
             out = root / f"{name}-out-{r}" if where == "folder" else f"s3://{bucket}/{name}-out-{r}"
+            before = storage_server.requests(server) or {}
             x = run_joiner(spark, _registry(pg, db), folder if where == "folder" else url, out)
+            if where == "bucket":
+                after = storage_server.requests(server) or {}
+                per_batch.append({k: (v["count"] - before.get(k, {}).get("count", 0)) / x["batches"]
+                                  for k, v in after.items()})  # fmt: skip
             runs[where].append(x["seconds"])
             joined[where].add(x["joined"])
             open_store(out).remove_all("") if where == "bucket" else shutil.rmtree(out, ignore_errors=True)
@@ -82,12 +89,17 @@ def throughput(spark: Any, pg: EmbeddedPostgres, root: Path, bucket: str, name: 
         "ratio": round(statistics.median(ratios), 3),
         "ratio_min": round(min(ratios), 3),
         "same_output": joined["folder"] == joined["bucket"] and len(joined["folder"]) == 1,
+        "requests_per_batch": {
+            k: round(statistics.median(r.get(k, 0) for r in per_batch), 1)
+            for k in sorted({k for r in per_batch for k in r})
+        },
     }
+    requests = ", ".join(f"{k} {v:g}" for k, v in result["requests_per_batch"].items() if v)
     print(
         f"throughput, {name}: {events:,} events in {files} files; seconds per run: folder {spread(runs['folder'])}, "
         f"bucket {spread(runs['bucket'])}; {result['folder_events_per_s']:,} vs {result['bucket_events_per_s']:,} "
         f"events/s, ratio bucket/folder {result['ratio']} (min {result['ratio_min']}); joined the same: "
-        f"{result['same_output']}"
+        f"{result['same_output']}; requests per batch on the bucket (median of runs): {requests}"
     )
     return result
 
@@ -139,8 +151,8 @@ def main() -> None:
         default = default_workload(args.rate, args.seconds)
         small = GeneratorSettings(events_per_s=args.rate / 5, clicks_per_query=0.1, dcs=(DC,), rotate_s=1.0)
         results = [
-            throughput(spark, pg, tmp, bucket, "default", default.settings, args.seconds, args.repeat),
-            throughput(spark, pg, tmp, bucket, "small_files", small, args.seconds, args.repeat),
+            throughput(spark, pg, server, tmp, bucket, "default", default.settings, args.seconds, args.repeat),
+            throughput(spark, pg, server, tmp, bucket, "small_files", small, args.seconds, args.repeat),
         ]
         lives = {}
         for where in ("folder", "bucket"):

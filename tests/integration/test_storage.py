@@ -275,6 +275,25 @@ def test_the_server_listens_on_loopback_only_keeps_its_key_private_and_stops(s3_
     assert json.loads((server.folder / "server.json").read_text())["pid"] == server.pid
 
 
+def test_the_server_counts_the_requests_it_answered_by_type(s3_server: storage_server.Server, bucket: str) -> None:
+    server = storage_server.running(s3_server.folder)
+    assert server is not None
+    store = S3Store(f"s3://{bucket}/counted")
+    before = storage_server.requests(server)
+    assert before is not None
+    store.put("a", b"1")
+    store.put("b", b"2", if_absent=True)
+    store.get("a")
+    store.files("")
+    store.move("a", "c")  # a copy, then a delete
+    after = storage_server.requests(server)
+    assert after is not None
+    grew = {k: after[k]["count"] - before.get(k, {}).get("count", 0) for k in after}
+    assert grew["PUT"] == 2 and grew["GET"] >= 1 and grew["LIST"] >= 1, grew
+    assert grew["COPY"] == 1 and grew["DELETE"] == 1, grew
+    assert all(after[k]["seconds"] >= before.get(k, {}).get("seconds", 0) for k in after)
+
+
 def both(bucket: str, tmp_path: Path) -> list[LocalStore | S3Store]:
     return [LocalStore(tmp_path / secrets.token_hex(4)), S3Store(f"s3://{bucket}/{secrets.token_hex(4)}")]
 

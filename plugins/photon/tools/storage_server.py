@@ -57,6 +57,7 @@ PORTS = (
     "admin.port.grpc",
     "webdav.port",
     "debug.port",
+    "metricsPort",  # Prometheus metrics: the requests it answered, by type (`requests`)
 )
 
 
@@ -293,6 +294,25 @@ def check_bucket_name(bucket: str) -> None:
             f"bucket name {bucket!r}: 3-63 characters of a-z, 0-9, '.' and '-', starting and ending with a letter or "
             "digit (S3's rule)"
         )
+
+
+_METRIC = re.compile(r"^SeaweedFS_s3_request_(total|seconds_sum)\{([^}]*)\} (\S+)$", re.M)
+
+
+def requests(server: Server) -> dict[str, dict[str, float]] | None:
+    """The S3 requests the server answered since it started, by type (GET, PUT, LIST, DELETE, ...): ``{"count": n,
+    "seconds": s}`` each, s the time it spent answering them; None for a server started without its metrics port."""
+    port = server.ports.get("metricsPort")
+    if port is None:
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for metric, labels, value in _METRIC.findall(text):
+        kind = dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("type", "?")
+        figures = out.setdefault(kind, {"count": 0, "seconds": 0.0})
+        figures["count" if metric == "total" else "seconds"] += float(value)
+    return out
 
 
 def create_bucket(server: Server, bucket: str) -> None:
