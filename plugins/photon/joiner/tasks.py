@@ -326,6 +326,7 @@ def _source_task(
 
         root, stage = t.root_store, t.stage
         stored: list[pa.Table] = []
+        quarantined: list[pa.Table] = []  # staged once per task: a file per source file was 2 PUTs each on a store
         first = None
         skipped: list[list[str]] = []
         read: dict[str, list[Any]] = {}
@@ -368,8 +369,7 @@ def _source_task(
                 good, offsets, lengths = good.filter(pa.array(plausible)), offsets[plausible], lengths[plausible]
                 bad = pa.concat_tables([bad, _quarantine_implausible(rel, content, kind, now, t.max_future_s)])
             if bad.num_rows:
-                quarantine = _quarantine(bad, t.dc, kind, t.now)
-                stage_rows(root, QUARANTINE, stage, f"{t.tag}-{kind[0]}{i:06d}", quarantine, t.batch)
+                quarantined.append(_quarantine(bad, t.dc, kind, t.now))
             n = good.num_rows
             if kind == "queries":
                 stored.append(index_of(good, rel, offsets, lengths))
@@ -398,6 +398,8 @@ def _source_task(
             index = pa.concat_tables(stored)
             write_index(index, root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
             indexed = index.num_rows
+        if quarantined:  # named as the marker: unique in the batch, and the same again for a retried task
+            stage_rows(root, QUARANTINE, stage, marker_name, pa.concat_tables(quarantined), t.batch)
         if read or skipped:
             _write_read_marker(root, stage, marker_name, skipped, read, indexed)
 
