@@ -22,7 +22,9 @@ import re
 import secrets
 import shutil
 import stat
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -764,6 +766,32 @@ def cached_store(url: str) -> Store:
     """The store ``url`` names, one per process and URL: a Spark worker's tasks share its client (an S3 client per
     task would cost a connection each)."""
     return open_store(url)
+
+
+# Requests in flight at once per process when a task reads many objects: an object store answers each after a round
+# trip (4.5 ms a GET here, with the server on the same two cores; tens of ms on a cloud store), and a task that read its
+# 120 files one after another spent 40% of its time waiting on them.
+IN_FLIGHT = 8
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def in_flight(calls: Sequence[Callable[[], T]], window: int = IN_FLIGHT) -> Iterator[T]:
+    """The results of ``calls``, in order, up to ``window`` of them running at once (``window`` 1: one after
+    another, here). At most ``window`` results are held before they are taken: reading ahead, not all at once. A
+    call's exception is raised when its result is taken, and ends the reading."""
+    global _POOL
+    if window <= 1 or len(calls) <= 1:
+        yield from (call() for call in calls)
+        return
+    if _POOL is None or _POOL[0] != os.getpid():  # threads do not survive a fork (Spark's Python daemon forks workers)
+        _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="photon-store"))
+    pool = _POOL[1]
+    ahead: deque[Future[T]] = deque(pool.submit(call) for call in calls[:window])
+    for call in calls[window:]:
+        yield ahead.popleft().result()
+        ahead.append(pool.submit(call))
+    while ahead:
+        yield ahead.popleft().result()
 
 
 def locate(where: Path | Store | str, key: str | None = None) -> tuple[Store, str]:

@@ -244,3 +244,34 @@ def test_an_object_store_error_is_one_line_ending_with_its_cause() -> None:
     nested = "Kernel error -> Generic S3 error\n \x1b[31m↳\x1b[0m Error performing GET\n"
     nested += "  ↳ Connection refused (os error 111)"
     assert error_text(OSError(nested)) == "Kernel error -> Generic S3 error ... Connection refused (os error 111)"
+
+
+def test_reads_in_flight_come_back_in_order_a_few_at_once_and_raise_where_taken() -> None:
+    import threading
+    import time
+
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def call(i: int) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.01 * (i % 3))  # later calls finish first now and then
+        with lock:
+            running -= 1
+        if i == 7:
+            raise FileNotFoundError(f"call {i}")
+        return i
+
+    calls = [lambda i=i: call(i) for i in range(12)]
+    got = storage.in_flight(calls, 4)
+    assert [next(got) for _ in range(7)] == list(range(7))
+    with pytest.raises(FileNotFoundError, match="call 7"):
+        next(got)
+    assert list(got) == []  # and the reading ends there
+    assert 1 < most <= 4  # read ahead, never more than the window
+    time.sleep(0.1)  # the calls read ahead past the failure finish on their own
+    most = 0
+    assert list(storage.in_flight(calls[:3], 1)) == [0, 1, 2] and most == 1  # a window of 1: one after another

@@ -22,6 +22,7 @@ Stores written before the index (``.parquet`` files holding whole queries) are s
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 
 from photon.durable import CorruptStateError
 from photon.logs.ids import valid_ids
-from photon.storage import LocalStore, StorageError, Store, as_store, cached_store, locate
+from photon.storage import LocalStore, StorageError, Store, as_store, cached_store, in_flight, locate
 
 log = logging.getLogger(__name__)
 US = 1_000_000
@@ -53,6 +54,7 @@ INDEX = pa.schema(
     ]
 )
 INDEX_SUFFIX, LEGACY_SUFFIX = ".arrow", ".parquet"
+FETCH_AHEAD = 4  # query objects a lookup reads at once on an object store
 STORED_COLUMNS = ["query_id", "ts_us", "user_id", "query_text", "country", "ads"]  # a legacy file's columns
 
 
@@ -184,13 +186,33 @@ class EventStoreCache:
         order = np.argsort(codes, kind="stable")
         lines: list[bytes] = [b""] * n
         unread = 0
-        # The files this worker keeps first: fetching another's first could evict one before its lines are read (a
-        # catch-up batch's lookups fetched every query object again, those this worker had just parsed too).
-        for code in sorted(np.unique(codes).tolist(), key=lambda c: not QUERY_OBJECTS.holds(self.logs, names[c])):
+        plan = []
+        for code in np.unique(codes).tolist():
             at = order[np.searchsorted(codes[order], code) : np.searchsorted(codes[order], code, side="right")]
-            spans = list(zip(offsets[at].tolist(), lengths[at].tolist(), strict=True))
+            plan.append((code, at, list(zip(offsets[at].tolist(), lengths[at].tolist(), strict=True))))
+        # The objects this worker keeps are sliced first: keeping a fetched one could evict one before its lines are
+        # read (a catch-up batch's lookups fetched every query object again, those this worker had just parsed too).
+        held = {code: QUERY_OBJECTS.held(self.logs, names[code], _ends(spans)) for code, _, spans in plan}
+
+        def fetch(code: int, spans: list[tuple[int, int]]) -> tuple[bytes | None, list[bytes]] | OSError:
             try:
-                got = QUERY_OBJECTS.ranges(self.logs, names[code], [(o, o + ln) for o, ln in spans])
+                return QueryObjects.fetch(self.logs, names[code], _ends(spans))
+            except OSError as exc:
+                return exc
+
+        # The others read a few at once on an object store (each a round trip), in a thread each.
+        to_fetch = [functools.partial(fetch, code, spans) for code, _, spans in plan if held[code] is None]
+        fetched = in_flight(to_fetch, FETCH_AHEAD if self.logs.atomic else 1)
+        for code, at, spans in plan:
+            try:
+                got = held[code]
+                if got is None:
+                    answer = next(fetched)
+                    if isinstance(answer, OSError):
+                        raise answer
+                    content, got = answer
+                    if content is not None:
+                        QUERY_OBJECTS.keep(self.logs, names[code], content)
             except OSError as exc:
                 # Gone (or not a regular file): a miss. A folder's other errors (permissions) too, as ever; an object
                 # store's (unreachable, throttled) fail the batch, which runs again: never a click decided on them.
@@ -309,18 +331,38 @@ class QueryObjects:
         return store.atomic and (store.url, key) in self.objects
 
     def ranges(self, store: Store, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        content = self.objects.get((store.url, key)) if store.atomic else None
+        got = self.held(store, key, ranges)
+        if got is not None:
+            return got
+        content, got = self.fetch(store, key, ranges)
         if content is not None:
-            self.objects.move_to_end((store.url, key))
-        elif store.atomic and len(ranges) >= self.WHOLE:
-            content = store.get(key)
             self.keep(store, key, content)
+        return got
+
+    def held(self, store: Store, key: str, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+        """The ranges, out of the object kept here (used last now); None if it is not kept."""
+        content = self.objects.get((store.url, key)) if store.atomic else None
         if content is None:
-            return store.get_ranges(key, ranges)
+            return None
+        self.objects.move_to_end((store.url, key))
         return [content[start:end] for start, end in ranges]
+
+    @classmethod
+    def fetch(cls, store: Store, key: str, ranges: list[tuple[int, int]]) -> tuple[bytes | None, list[bytes]]:
+        """(the whole object to keep, or None; the ranges) read from the store, the object whole where many of its
+        lines are wanted. Reads the store only (safe in a thread): the caller keeps what it returns."""
+        if store.atomic and len(ranges) >= cls.WHOLE:
+            content = store.get(key)
+            return content, [content[start:end] for start, end in ranges]
+        return None, store.get_ranges(key, ranges)
 
 
 QUERY_OBJECTS = QueryObjects()
+
+
+def _ends(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) spans as (start, end) ranges."""
+    return [(o, o + n) for o, n in spans]
 
 
 def _indexed_line(raw: bytes, length: int) -> bytes:

@@ -5,6 +5,7 @@ the batch's log files, stores its new queries and reads its retries back; stage 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -54,12 +55,13 @@ from photon.logs.schemas import (
 from photon.logs.tables import parquet_bytes, stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
-from photon.storage import ChangingError, Entry, Store, as_store, cached_store, locate
+from photon.storage import ChangingError, Entry, Store, as_store, cached_store, in_flight, locate
 
 log = logging.getLogger(__name__)
 
 _REGISTRIES: dict[tuple[tuple[str, str], ...], Any] = {}
 
+READ_AHEAD = 4  # a stage-1 task's log files read ahead on an object store, each held whole until parsed
 CANDIDATE = pa.schema(
     [
         ("click_id", pa.string()),
@@ -331,22 +333,32 @@ def _source_task(
         skipped: list[list[str]] = []
         read: dict[str, list[Any]] = {}
         marker_name = ""
-        for i in (i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])):
+        mine = [i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])]
+        files = [i for i in mine if sources[i][0] != "retries"]
+        # One client per worker and kind (a child store is a client of its own); a task of a test reads paths.
+        top = t.source_root.rstrip("/")
+        kinds = {k: cached_store(f"{top}/{k}") for k in ("queries", "clicks")} if t.source_root else {}
+
+        def read_file(i: int) -> tuple[bytes | None, Entry | None]:
+            kind, path_s, rel = sources[i]
+            as_seen = t.settled.get(f"{kind}/{rel}")
+            settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
+            if kinds:
+                return read_whole(kinds[kind], rel, settled_as)
+            return read_whole(Path(path_s), settled_as=settled_as)
+
+        # On an object store the next files are read while this one is parsed (a few: each is held whole).
+        remote = any(store.atomic for store in kinds.values())
+        reads = in_flight([functools.partial(read_file, i) for i in files], READ_AHEAD if remote else 1)
+        for i in mine:
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
             if kind == "retries":  # a key in the pipeline's state
                 yield from pq.read_table(pa.BufferReader(t.state_store.get(path_s)), schema=CANDIDATE).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
-            as_seen = t.settled.get(f"{kind}/{rel}")
-            settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
-            if t.source_root:
-                # One client per worker and kind (a child store is a client of its own)
-                kind_store = cached_store(f"{t.source_root.rstrip('/')}/{kind}")
-                whole, e = read_whole(kind_store, rel, settled_as)
-                if kind == "queries" and whole is not None:
-                    QUERY_OBJECTS.keep(kind_store, rel, whole)
-            else:  # a task of a test: the file's path
-                whole, e = read_whole(Path(path_s), settled_as=settled_as)
+            whole, e = next(reads)
+            if kinds and kind == "queries" and whole is not None:
+                QUERY_OBJECTS.keep(kinds[kind], rel, whole)
             if whole is None or e is None:  # still being written: not consumed now, listed and read again later
                 log.warning(
                     "%s/%s: still changing (%d bytes now); left for a later batch", kind, rel, e.size if e else 0
