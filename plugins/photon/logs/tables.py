@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -160,21 +161,35 @@ def store_errors(store: Store, key: str) -> Iterator[None]:
         raise StorageError(f"{store.location(key)}: {error_text(exc)}") from None
 
 
+def cut_off(exc: BaseException) -> bool:
+    """A store's failure that says its answer broke off midway (a server that went away while it answered): deltalake
+    tries again a request that got no answer, never a listing of `_delta_log` whose body broke off, nor a commit's
+    put reset mid-way. Worth trying again where the request is idempotent (a read; a commit under the batch's txn)."""
+    return isinstance(exc, StorageError) and broke_off(exc)
+
+
 def _delta(store: Store, key: str) -> DeltaTable:
-    """The Delta table at ``key`` of ``store`` (TableNotFoundError if there is none)."""
+    """The Delta table at ``key`` of ``store`` (TableNotFoundError if there is none). Read again where its answer
+    broke off: a lease's start and its first publish failed at once on one cut listing of the table's log."""
     from deltalake import DeltaTable
 
     uri, options = store.delta_location(key)
-    with store_errors(store, key):
-        return DeltaTable(uri, storage_options=options or None)
+
+    def table() -> DeltaTable:
+        with store_errors(store, key):
+            return DeltaTable(uri, storage_options=options or None)
+
+    return again(table, cut_off)
+
+
+# A version of a table: a commit or a checkpoint (one file, or a part of several) in its `_delta_log/`.
+_VERSION_FILE = re.compile(r"^\d{20}\.(json|checkpoint(\.\d+\.\d+)?\.parquet)$")
 
 
 def is_table(store: Store, key: str) -> bool:
-    from deltalake import DeltaTable
-
-    uri, options = store.delta_location(key)
-    with store_errors(store, key):
-        return bool(DeltaTable.is_deltatable(uri, storage_options=options or None))
+    """Whether ``key`` holds a Delta table: a version in its `_delta_log/`, listed with the store's own client, which
+    rides an answer cut off midway (deltalake's ``is_deltatable`` waited out its 30 s timeout after one)."""
+    return any(_VERSION_FILE.match(e.key.rpartition("/")[2]) for e in store.files(f"{key}/_delta_log"))
 
 
 def open_table(root: Path | Store, kind: str) -> DeltaTable:
@@ -314,7 +329,7 @@ def publish_batch(
         # A request cut off by a store that went away (a commit's put reset mid-way is retried by no client): read the
         # table again and commit, or find the commit that landed; the store SIGKILLed under 3 publishers failed 3 of
         # 20 kills so, and the lease with them.
-        done[kind] = again(commit, lambda exc: isinstance(exc, StorageError) and broke_off(exc))
+        done[kind] = again(commit, cut_off)
         if committed is not None and done[kind] == "committed":
             committed(kind)
     return done
