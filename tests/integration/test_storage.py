@@ -481,6 +481,29 @@ print(json.dumps(write_marker(sys.argv[1], decision)))
 """
 
 
+def test_a_start_that_hangs_is_tried_again_and_one_that_fails_keeps_the_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (1 restart in about 120 after a SIGKILL): weed stayed at "Volume starting" for 60 s, the start
+    failed and took the remembered S3 port with it (server.json), so the next start served on another port and every
+    client holding the endpoint was lost for good. A start that hangs is now tried once more; one that fails still
+    leaves the endpoint for the next."""
+    folder = tmp_path / "s3"
+    first = storage_server.start(folder)
+    storage_server.stop(folder)
+    monkeypatch.setattr(storage_server, "START_TIMEOUT_S", 0.0)  # no answer in time: a hung start, twice
+    with pytest.raises(storage_server.StorageServerError, match="did not start"):
+        storage_server.start(folder)
+    assert storage_server.running(folder) is None
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"-dir={folder / 'data'}" in (p.info["cmdline"] or [])]
+    monkeypatch.undo()
+    again = storage_server.start(folder)
+    try:
+        assert again.endpoint == first.endpoint
+    finally:
+        storage_server.stop(folder)
+
+
 @pytest.mark.parametrize("where", ["folder", "bucket"])
 def test_writers_racing_to_declare_an_hour_final_agree_on_the_first_marker(
     where: str, tmp_path: Path, request: pytest.FixtureRequest

@@ -65,6 +65,10 @@ class StorageServerError(RuntimeError):
     """The local S3 server could not start or answer; the message says why and where its log is."""
 
 
+class _StartHung(StorageServerError):
+    """A start that ran but did not answer within START_TIMEOUT_S."""
+
+
 @dataclass(frozen=True)
 class Server:
     folder: Path
@@ -112,10 +116,13 @@ def _free(port: int) -> bool:
 
 
 def _previous_s3_port(folder: Path) -> int | None:
-    try:
-        return int(json.loads((folder / "server.json").read_text())["ports"]["s3.port"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
+    """The S3 port of the last start (``s3-port``, kept when a start fails: the endpoint its clients hold)."""
+    for name, read in (("s3-port", int), ("server.json", lambda t: json.loads(t)["ports"]["s3.port"])):
+        try:
+            return int(read((folder / name).read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    return None
 
 
 def _credentials(folder: Path) -> tuple[str, str]:
@@ -194,7 +201,12 @@ def start(
             if found is not None and _credentials(folder) != credentials:
                 raise StorageServerError(f"the S3 server of {folder} runs with other credentials: stop it first")
             _keep_credentials(folder, *credentials)
-        server = found or _start(folder, host, bind, s3_port)
+        try:
+            server = found or _start(folder, host, bind, s3_port)
+        except _StartHung:
+            # Once in about 120 restarts after a SIGKILL, weed stayed at "Volume starting" for 60 s: a second start
+            # (on the same S3 port: its clients hold the endpoint) came up at once.
+            server = _start(folder, host, bind, s3_port)
         for b in buckets:
             create_bucket(server, b)
         return server
@@ -241,6 +253,7 @@ def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_po
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PHOTON_STORAGE_", "AWS_"))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env)
     endpoint = f"http://{host}:{ports['s3.port']}"
+    (folder / "s3-port").write_text(str(ports["s3.port"]))
     info = {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "endpoint": endpoint, "ports": ports}
     (folder / "server.json").write_text(json.dumps(info))
     server = Server(folder, proc.pid, endpoint, ports)
@@ -249,7 +262,8 @@ def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_po
         while not _answers(endpoint):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (folder / "server.log").read_text(errors="replace")[-2000:]
-                raise StorageServerError(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
+                error = StorageServerError if proc.poll() is not None else _StartHung
+                raise error(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
             time.sleep(0.2)
         env_file(folder)
         _fsync_buckets(server)
