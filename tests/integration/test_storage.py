@@ -693,27 +693,35 @@ def test_table_opens_and_a_first_publish_ride_a_delta_log_listing_cut_off_midway
     s3_server: storage_server.Server, bucket: str
 ) -> None:
     """Found by the review (a proxy cutting the first listing of a table's `_delta_log` in half): a lease failed at
-    once (exit 2, "end of file before message length reached") at its start (its tables opened) and at its first
-    publish (the table opened before the retried commit): deltalake tries a request that got no answer again, never
-    a listing whose body broke off. Each rides it now: opening the tables, a first publish in a process, a read."""
+    once (exit 2, "end of file before message length reached") at its start (its tables made or opened) and at its
+    first publish (the table opened before the retried commit): deltalake tries a request that got no answer again,
+    never a listing whose body broke off. Each rides it now: making and opening the tables, a first publish in a
+    process, a read."""
     from photon.logs.schemas import QUARANTINE, QUARANTINE_SCHEMA
     from photon.logs.tables import append_rows, ensure_tables, published_batch
     from tests.integration.drop_proxy import DropProxy
 
     prefix = f"s3://{bucket}/cut-{secrets.token_hex(3)}"  # a process's publisher keeps a table open per URL
-    ensure_tables(open_store(prefix))
     rows = {
         "pipeline": ["p"], "kind": ["clicks"], "file": ["f"], "line": [0], "raw": [b"x"], "raw_bytes": [1],
         "reason": ["r"], "decided_at_us": [1],
     }  # fmt: skip
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
     acts = {
+        "create the tables": lambda s: ensure_tables(s),
         "open the tables": lambda s: ensure_tables(s),
         "a first publish": lambda s: append_rows(s, QUARANTINE, pa.table(rows, schema=QUARANTINE_SCHEMA), 1),
         "read a table": lambda s: published_batch(s, QUARANTINE) == 1 or pytest.fail("batch 1 not published"),
     }
     for name, act in acts.items():
-        proxy = DropProxy(port, lambda method, path, h: method == "GET" and "_delta_log" in path, drops=1, cut=True)
+        # Making a table lists its log from the start (no `start-after`): that listing is cut, not the open's.
+        fresh = name == "create the tables"
+
+        def delta_log(method: str, path: str, h: dict[str, str], fresh: bool = fresh) -> bool:
+            listing = "list-type" in path and "_delta_log" in path
+            return method == "GET" and (listing and "start-after" not in path if fresh else "_delta_log" in path)
+
+        proxy = DropProxy(port, delta_log, drops=1, cut=True)
         act(S3Store(prefix, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
         assert len(proxy.dropped) == 1, (name, proxy.dropped)
 

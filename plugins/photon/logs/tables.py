@@ -204,7 +204,8 @@ def open_table(root: Path | Store, kind: str) -> DeltaTable:
         table = _delta(store, kind)
     except TableNotFoundError:
         _refuse_foreign(store, kind)
-        try:
+
+        def create() -> DeltaTable:  # "ignore": made again, it is the table another made (a racing creator, a retry)
             with store_errors(store, kind):
                 return DeltaTable.create(
                     uri,
@@ -214,6 +215,9 @@ def open_table(root: Path | Store, kind: str) -> DeltaTable:
                     name=f"photon {kind}",
                     storage_options=options or None,
                 )
+
+        try:
+            return again(create, cut_off)
         except Exception as exc:  # a racing creator: the table is there now, or the error is real
             try:
                 table = _delta(store, kind)
