@@ -147,3 +147,26 @@ def test_the_plain_log_handler_writes_to_the_stderr_of_the_moment(capsys: pytest
     swapped.close()
     handler.emit(record)
     assert capsys.readouterr().err == "one plain line\n"
+
+
+def test_a_failed_task_prints_no_traceback_of_its_own_and_the_driver_still_gets_it(tmp_path: Path) -> None:
+    """A store that went away under a stage-1 task: the lease said it in one line, after Spark's executor and scheduler
+    had printed the Python worker's traceback three times (found in CI: the S3 server SIGKILLed mid-task). Those
+    loggers are off; the driver still gets the whole exception (it prints one line for a store, all of it otherwise)."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from photon.spark_session import get_spark\n"
+        "spark = get_spark('fail', master='local[2]', shuffle_partitions=2)\n"
+        "def boom(batches):\n"
+        "    for b in batches:\n"
+        "        raise OSError('the store went away')\n"
+        "        yield b\n"
+        "try:\n"
+        "    spark.range(4).mapInArrow(boom, 'id long').collect()\n"
+        "except Exception as exc:\n"
+        "    print('driver:', 'the store went away' in str(exc))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "driver: True", result.stdout + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Lost task" not in result.stderr, result.stderr[-3000:]
