@@ -519,10 +519,11 @@ class LocalCluster:
                 return proc
         return None
 
-    def kill_primary(self) -> str:
+    def kill_primary(self, name: str | None = None) -> str:
         """SIGKILL the primary's PostgreSQL and its Patroni (a machine lost); returns the node's name. Its backends
-        too: a backend outlives its postmaster for a moment and could still acknowledge a commit."""
-        name = self.primary()
+        too: a backend outlives its postmaster for a moment and could still acknowledge a commit. ``name``: the
+        primary as found before (asking Patroni takes a moment that a caller timing the kill may not have)."""
+        name = name or self.primary()
         if name is None:
             raise ClusterError("no primary to kill")
         procs: list[psutil.Process] = []
