@@ -286,3 +286,27 @@ def test_a_manifest_from_before_parts_is_kept_as_one_run(tmp_path: Path) -> None
     assert pq.read_table(mdir / "clicks.parquet").num_rows == first.clicks + second.clicks
     summary = json.loads((mdir / "manifest.json").read_text())
     assert "legacy" in summary["runs"] and summary["clicks"] == first.clicks + second.clicks
+
+
+def test_a_live_run_writes_each_chunks_clicks_once_its_queries_landed_not_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clicks' outcomes wait for their queries' true arrivals, chunk by chunk: held for as long as query files
+    are late, never for the whole run (an hour's live run would hold an hour of clicks in memory)."""
+    import time
+
+    import photon.tools.generator as generator
+
+    written: list[float] = []
+    real = generator._add_manifest_rows
+
+    def timed(*args: object, **kwargs: object) -> None:
+        written.append(time.time())
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(generator, "_add_manifest_rows", timed)
+    s = GeneratorSettings(events_per_s=300, rotate_s=0.5, chunk_s=1.0, query_lag_median_s=0.1, click_lag_median_s=0.1,
+                          late_query_file_fraction=0.0)  # fmt: skip
+    start = int(time.time() * US)
+    generate(s, tmp_path, start_us=start, end_us=start + 4 * US, live=True)
+    assert len(written) >= 4 and written[0] < start / US + 3, [round(t - start / US, 1) for t in written]

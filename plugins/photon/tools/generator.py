@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -699,28 +700,38 @@ def generate(
     file_rows: list[tuple[str, str, str, int, int, int, int]] = []
     # live: (planned arrival, order, opened, dc, kind, name, data, (lines, malformed, closed))
     pending: list[tuple[int, int, int, str, str, str, bytes, tuple[int, int, int]]] = []
-    query_file: dict[str, tuple[int, int]] = {}  # live: a query file's name -> (query server, seq)
-    clicks_held: list[pa.Table] = []
+    query_file: dict[str, tuple[int, int, int]] = {}  # live: a query file's name -> (query server, seq, chunk)
+    # live: a chunk's clicks are written once every copy of every query file of that chunk and the ones before has
+    # landed (a click's query is never in a later chunk): held while query files are late, not for the whole run.
+    clicks_held: deque[tuple[int, pa.Table]] = deque()
+    unlanded: Counter[int] = Counter()  # chunk -> copies of its query files not written yet
 
     def landed(dc: str, kind: str, rel: str, row: tuple[int, int, int], at: int) -> None:
         file_rows.append((dc, kind, rel, *row, at))
         if kind == "queries":
-            key = query_file[rel.rsplit("/", 1)[-1]]
-            query_arrival[key] = min(at, query_arrival.get(key, at))
+            srv, seq, chunk = query_file[rel.rsplit("/", 1)[-1]]
+            query_arrival[(srv, seq)] = min(at, query_arrival.get((srv, seq), at))
+            unlanded[chunk] -= 1
+
+    def write_landed() -> None:
+        waiting = min((c for c, n in unlanded.items() if n > 0), default=None)
+        while clicks_held and (waiting is None or clicks_held[0][0] < waiting):
+            _add_manifest_rows(writer, clicks_held.popleft()[1], query_arrival, settings, expect_counts)
 
     expect_counts: dict[str, int] = {}
     # Parts are written under a dot name (readers skip those) and renamed once whole.
     clicks_part = clicks_dir / f".{run}.parquet.tmp"
     writer = pq.ParquetWriter(clicks_part, _CLICK_SCHEMA)
     try:
-        for chunk in world.chunks(start_us, end_us):
+        for number, chunk in enumerate(world.chunks(start_us, end_us)):
             for kind, name, a, b, bad, close, srv, seq in chunk.files:
                 data = file_bytes(chunk.lines, a, b)
                 arr = arrivals.of(kind, close)
                 if kind == "queries" and not live:
                     query_arrival[(srv, seq)] = min(arr.values())
                 if kind == "queries" and live:
-                    query_file[name] = (srv, seq)
+                    query_file[name] = (srv, seq, number)
+                    unlanded[number] += len(arr)
                 first_copy: Path | None = None
                 for dc, at in arr.items():
                     if live:  # its partition and arrival are those of the moment it is written (_drain)
@@ -740,8 +751,8 @@ def generate(
                 report.bytes += len(data)
                 report.lines += b - a
                 report.malformed_lines += bad
-            if live:  # whether a click must join depends on when its query truly arrived: written at the end
-                clicks_held.append(chunk.clicks)
+            if live:  # whether a click must join depends on when its query truly arrived: written once it has
+                clicks_held.append((number, chunk.clicks))
             else:
                 _add_manifest_rows(writer, chunk.clicks, query_arrival, settings, expect_counts)
             report.clicks += chunk.clicks.num_rows
@@ -750,10 +761,11 @@ def generate(
                 on_progress(min(end_us, chunk_end) - start_us, end_us - start_us)
             if live:  # the next chunk's first file closes after this one's end: write until then
                 _drain(pending, store or logs, sleep, landed, until_us=min(end_us, chunk_end))
+                write_landed()
         if live:
             _drain(pending, store or logs, sleep, landed, until_us=None)
-            for clicks in clicks_held:
-                _add_manifest_rows(writer, clicks, query_arrival, settings, expect_counts)
+            write_landed()
+            assert not clicks_held, "a chunk's query files never landed"
     finally:
         writer.close()
     report.queries = world.queries_logged
