@@ -726,6 +726,40 @@ def test_table_opens_and_a_first_publish_ride_a_delta_log_listing_cut_off_midway
         assert len(proxy.dropped) == 1, (name, proxy.dropped)
 
 
+def test_a_publish_with_the_store_gone_past_the_budget_fails_in_one_storage_error(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI: the S3 server down past the budget while a Delta commit read the table's log: deltalake raised a DeltaError
+    ("Error interacting with object store"), not an OSError, and the lease died with a traceback (exit 1) instead of
+    its one line naming the store (exit 2). Any of the publish's reads of the log, unanswered past the budget, is a
+    StorageError naming the table."""
+    from photon.logs.schemas import QUARANTINE, QUARANTINE_SCHEMA
+    from photon.logs.tables import append_rows
+    from tests.integration.drop_proxy import DropProxy
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "1")
+    prefix = f"s3://{bucket}/gone-{secrets.token_hex(3)}"
+    rows = {
+        "pipeline": ["p"], "kind": ["clicks"], "file": ["f"], "line": [0], "raw": [b"x"], "raw_bytes": [1],
+        "reason": ["r"], "decided_at_us": [1],
+    }  # fmt: skip
+    listings: list[str] = []
+
+    def after_the_first(method: str, path: str, h: dict[str, str]) -> bool:
+        if "list-type" in path and "_delta_log" in path and "start-after" in path:
+            listings.append(path)
+            return len(listings) > 1  # the commit's read of the table passes; the commit's own read gets no answer
+        return False
+
+    proxy = DropProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), after_the_first, drops=0)
+    via = S3Store(prefix, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+    append_rows(via, QUARANTINE, pa.table(rows, schema=QUARANTINE_SCHEMA), 1)  # the table open in this process
+    proxy.drops_left = 1_000_000
+    with pytest.raises(StorageError, match=f"{prefix}/quarantine: "):
+        append_rows(via, QUARANTINE, pa.table(rows, schema=QUARANTINE_SCHEMA), 2)
+    assert proxy.dropped
+
+
 def test_publishers_and_listers_ride_a_store_sigkilled_again_and_again(
     s3_server: storage_server.Server, bucket: str
 ) -> None:
