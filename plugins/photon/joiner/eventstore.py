@@ -327,9 +327,6 @@ class QueryObjects:
         while self.size > self.MAX_BYTES:
             self.size -= len(self.objects.popitem(last=False)[1])
 
-    def holds(self, store: Store, key: str) -> bool:
-        return store.atomic and (store.url, key) in self.objects
-
     def ranges(self, store: Store, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         got = self.held(store, key, ranges)
         if got is not None:
