@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     # before the work fails and runs again: a batch, a lease start. Within the registry's failover budget; the
     # client's own default (3 minutes) would hold a lease that long on a store that is gone.
     storage_retry_s: float = Field(default=30.0, gt=0, le=300)
+    # On an object store, a batch with at least this many MiB of query files first finds its clicks' query ids (a
+    # short Spark job over its click files), so that its own queries travel to their clicks through the shuffle
+    # instead of being read back from objects another worker parsed. 0: every batch with clicks. Below it (a live
+    # batch) the extra job costs more than it saves on a store beside the executors; a store with slower requests
+    # gains at smaller batches.
+    ship_queries_from_mib: float = Field(default=128.0, ge=0)
     # The key and secret `photon storage up` serves (both or neither): a deployment's S3 server whose other services
     # are given the same (the compose file's). Unset: made on its first start, kept in its folder (mode 600).
     storage_access_key: SecretStr | None = None

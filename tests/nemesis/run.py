@@ -426,6 +426,8 @@ class Nemesis:
         server = storage_server.start(self.store_folder, (BUCKET,))
         os.environ.update(server.env())
         os.environ["PHOTON_STORAGE_RETRY_S"] = f"{STORAGE_RETRY_S:g}"
+        if self.p.seed % 2:  # odd seeds: every batch ships its own queries to its clicks (a catch-up batch's way)
+            os.environ["PHOTON_SHIP_QUERIES_FROM_MIB"] = "0"
         self.logs, self.out = f"s3://{BUCKET}/logs", f"s3://{BUCKET}/out"
         self.manifest = self.work / "manifest"
 

@@ -88,7 +88,8 @@ class _Bucket:
 @dataclass
 class LookupStats:
     lookups: int = 0
-    hits: int = 0  # lookups whose bucket was already in memory
+    hits: int = 0  # lookups whose bucket was already in memory (or, in a join task, whose query was shipped)
+    shipped: int = 0  # of those, in a join task: the query shipped with the click (tasks.Wanted)
     files_read: int = 0  # store files read
     lines_read: int = 0  # query lines read back from the logs
     lines_missing: int = 0  # indexed lines that could not be read back as their query (a log file gone or changed)
@@ -131,7 +132,7 @@ class EventStoreCache:
                 index.append(entry.table)
             if entry.legacy_table is not None:
                 legacy.append(entry.legacy_table)
-        queries = _nulls(len(query_ids))
+        queries = nulls(len(query_ids))
         found = np.zeros(len(query_ids), bool)
         wanted = pc.unique(query_ids)
         if index:
@@ -174,7 +175,7 @@ class EventStoreCache:
     def _read_lines(self, rows: pa.Table, stats: LookupStats) -> tuple[pa.Table, np.ndarray]:
         """The queries of index ``rows`` read back from the logs and parsed again, in row order, and whether each
         read back as the query it was indexed as (a log file deleted or changed since is a miss, and logged)."""
-        from photon.logs.parse import QUERY_FIELDS, parse_file_located
+        from photon.logs.parse import QUERY_FIELDS
 
         n = rows.num_rows
         if not n:
@@ -233,24 +234,10 @@ class EventStoreCache:
                 )
                 unread += short
         stats.lines_read += n
-        # Lines were valid when indexed: parse them together (Arrow's fast path). Each event is matched to the line
-        # it came from by its offset, and must be the very query indexed there (same id and time).
-        buffer = b"".join(line + b"\n" for line in lines)
-        good, _, starts, _ = parse_file_located("eventstore", buffer, "queries")
-        line_starts = np.cumsum([0] + [len(line) + 1 for line in lines[:-1]], dtype=np.int64)
-        row_of_line = np.full(n, -1, np.int64)
-        # An event counts only where it starts exactly at one of the slices (``_indexed_line`` keeps newlines out of
-        # them, so this is a guard, not the rule: an event starting inside a slice must never shift another's row).
-        at_line = np.minimum(np.searchsorted(line_starts, starts), n - 1)
-        exact = line_starts[at_line] == starts
-        row_of_line[at_line[exact]] = np.flatnonzero(exact)
-        ok = row_of_line >= 0
-        got = good.take(pa.array(np.maximum(row_of_line, 0))) if good.num_rows else _nulls(n)
-        if good.num_rows:
-            for column in ("query_id", "ts_us"):
-                ok &= pc.fill_null(pc.equal(got.column(column), rows.column(column)), False).to_numpy(
-                    zero_copy_only=False
-                )
+        # Each line must be the very query indexed there (same id and time).
+        got, ok = parse_lines(lines)
+        for column in ("query_id", "ts_us"):
+            ok &= pc.fill_null(pc.equal(got.column(column), rows.column(column)), False).to_numpy(zero_copy_only=False)
         missing = int(np.count_nonzero(~ok))
         stats.lines_missing += missing
         if missing > unread:
@@ -297,6 +284,28 @@ class EventStoreCache:
 
     def rows(self) -> int:
         return sum(t.num_rows for b in self.buckets.values() for t in (b.table, b.legacy_table) if t is not None)
+
+
+def parse_lines(lines: list[bytes]) -> tuple[pa.Table, np.ndarray]:
+    """Query lines (each without its newline) parsed together, Arrow's fast path: (per line its query, and whether
+    one parsed out of it). Each event is matched to the line it came from by its offset."""
+    from photon.logs.parse import parse_file_located
+
+    n = len(lines)
+    if not n:
+        return nulls(0), np.zeros(0, bool)
+    buffer = b"".join(line + b"\n" for line in lines)
+    good, _, starts, _ = parse_file_located("eventstore", buffer, "queries")
+    line_starts = np.cumsum([0] + [len(line) + 1 for line in lines[:-1]], dtype=np.int64)
+    row_of_line = np.full(n, -1, np.int64)
+    # An event counts only where it starts exactly at one of the lines (a line holds no newline where its readers
+    # slice it: ``_indexed_line``; so this is a guard, not the rule: an event starting inside a line must never
+    # shift another's row).
+    at_line = np.minimum(np.searchsorted(line_starts, starts), n - 1)
+    exact = line_starts[at_line] == starts
+    row_of_line[at_line[exact]] = np.flatnonzero(exact)
+    ok = row_of_line >= 0
+    return (good.take(pa.array(np.maximum(row_of_line, 0))) if good.num_rows else nulls(n)), ok
 
 
 class QueryObjects:
@@ -408,7 +417,7 @@ def read_store_file(where: Path | Store, key: str | None = None) -> pa.Table:
         raise CorruptStateError(f"{name} cannot be read ({exc}). {RECOVER_STORE}") from None
 
 
-def _nulls(n: int) -> pa.Table:
+def nulls(n: int) -> pa.Table:
     from photon.logs.parse import QUERY_FIELDS
 
     return pa.table({f.name: pa.nulls(n, f.type) for f in QUERY_FIELDS}, schema=QUERY_FIELDS)

@@ -76,12 +76,69 @@ CANDIDATE = pa.schema(
         ("recovered_us", pa.int64()),
     ]
 )
+WANTED = pa.schema([("click_id", pa.string()), ("query_id", pa.string())])
+# Stage 1's output, shuffled by click id: a candidate (``line`` null; ``wanted``: whether its (click, query) pair
+# was in the batch's ``Wanted``), or one of the batch's own queries shipped to a click that wants it (``line``: the
+# query's log line; the click's id and the query's, the rest null). The line, not the parsed query: the JVM passes
+# bytes on cheaply, and a struct of lists of structs cost the shuffle a second of CPU per 60,000 clicks.
+SHUFFLED = pa.schema([*CANDIDATE, ("wanted", pa.bool_()), ("line", pa.binary())])
 JOIN_TASK = pa.schema(
     [
         *[(name, pa.int64()) for name in JOIN_COUNTS],
+        # Clicks that took a query of their own batch shipped to them (``Wanted``): said in the batch's log line, not
+        # a column of the registry's batch metrics
+        ("shipped", pa.int64()),
         ("latencies_s", pa.list_(pa.float64())),
     ]
 )
+
+
+@dataclass
+class Wanted:
+    """The (click id, query id) pairs of a batch's due clicks, found by a first pass over its click files and retry
+    set (``BatchRunner._wanted``). A query task ships each of its queries that a pair wants through the shuffle to
+    that click's partition, so a click finds a query of its own batch without reading its log line back. On an
+    object store those lines are in objects another worker parsed: the lookups read every query object of a
+    catch-up batch again, once per worker. A hint, never a rule: a click it does not name is looked up as ever."""
+
+    pairs: pa.Table  # click_id, query_id: distinct
+
+    @functools.cached_property
+    def keys(self) -> pa.Array:
+        return _pair_keys(self.pairs.column("click_id"), self.pairs.column("query_id"))
+
+    def named(self, click_ids: pa.ChunkedArray | pa.Array, query_ids: pa.ChunkedArray | pa.Array) -> pa.Array:
+        """Per click, whether its (click id, query id) is a pair here."""
+        return pc.fill_null(pc.is_in(_pair_keys(click_ids, query_ids), value_set=self.keys), False)
+
+    def ship(self, queries: pa.Table, content: bytes, offsets: np.ndarray, lengths: np.ndarray) -> pa.Table | None:
+        """``SHUFFLED`` rows of ``queries`` (one log file's, ``content``; row i's line at ``offsets[i]``, of
+        ``lengths[i]`` bytes): one per pair that wants one of them (the first of a query logged twice in the file);
+        None if none is wanted."""
+        at = pc.index_in(self.pairs.column("query_id"), value_set=queries.column("query_id"))
+        hit = pc.is_valid(at)
+        n = pc.sum(hit).as_py() or 0
+        if not n:
+            return None
+        pairs = self.pairs.filter(hit)
+        rows = pc.drop_null(at).to_numpy(zero_copy_only=False)
+        lines = [content[o : o + ln] for o, ln in zip(offsets[rows].tolist(), lengths[rows].tolist(), strict=True)]
+        nulls = {f.name: pa.nulls(n, f.type) for f in SHUFFLED}
+        return pa.table(
+            nulls
+            | {
+                "click_id": pairs.column("click_id"),
+                "query_id": pairs.column("query_id"),
+                "line": pa.array(lines, pa.binary()),
+            },
+            schema=SHUFFLED,
+        )
+
+
+def _pair_keys(click_ids: pa.ChunkedArray | pa.Array, query_ids: pa.ChunkedArray | pa.Array) -> pa.Array:
+    # The click id's length first: no two pairs share a key, whatever their ids hold (an id is checked later)
+    lengths = pc.cast(pc.binary_length(click_ids), pa.string())
+    return pc.binary_join_element_wise(lengths, click_ids, query_ids, ":")
 
 
 class AdapterContractError(RuntimeError):
@@ -310,13 +367,69 @@ def read_markers(root: Path | Store, stage: str) -> ReadMarkers:
     return found
 
 
+def _read_files(
+    t: _Task, sources: list[tuple[str, str, str]], files: list[int]
+) -> tuple[dict[str, Store], Iterator[tuple[bytes | None, Entry | None]]]:
+    """(the stores of the logs' kinds, or none for a test's paths; the ``read_whole`` answers for the log files
+    ``files``, in order). On an object store the next files are read while one is parsed (a few: each is held whole)."""
+    # One client per worker and kind (a child store is a client of its own); a task of a test reads paths.
+    top = t.source_root.rstrip("/")
+    kinds = {k: cached_store(f"{top}/{k}") for k in ("queries", "clicks")} if t.source_root else {}
+
+    def read_file(i: int) -> tuple[bytes | None, Entry | None]:
+        kind, path_s, rel = sources[i]
+        as_seen = t.settled.get(f"{kind}/{rel}")
+        settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
+        if kinds:
+            return read_whole(kinds[kind], rel, settled_as)
+        return read_whole(Path(path_s), settled_as=settled_as)
+
+    remote = any(store.atomic for store in kinds.values())
+    return kinds, in_flight([functools.partial(read_file, i) for i in files], READ_AHEAD if remote else 1)
+
+
+def _wanted_task(
+    t: _Task, sources: list[tuple[str, str, str]], groups: list[list[int]]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The first pass of a batch (``Wanted``), one task per group of its click and retry sources: the (click id,
+    query id) of each due click. Reads and writes nothing else; a file it cannot read yet is left to the batch."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        check_code(t.code, t.adapter)
+        mine = [i for g in _indices(batches) for i in groups[g]]
+        _, reads = _read_files(t, sources, [i for i in mine if sources[i][0] == "clicks"])
+        for i in mine:
+            kind, path_s, rel = sources[i]
+            if kind == "retries":
+                table = pq.read_table(
+                    pa.BufferReader(t.state_store.get(path_s)), columns=["click_id", "query_id", "due_us"]
+                )
+                table = table.filter(pc.less_equal(table.column("due_us"), t.now))
+            elif kind == "clicks":
+                content, _ = next(reads)
+                if not content:
+                    continue
+                try:
+                    table, _, _, _ = parse_file_located(rel, content, kind)
+                except Exception:  # the batch's own pass quarantines the file: its clicks are looked up as ever
+                    continue
+            else:
+                continue
+            yield from table.select(["click_id", "query_id"]).cast(WANTED).to_batches()
+
+    return run
+
+
 def _source_task(
-    t: _Task, sources: list[tuple[str, str, str]], groups: list[list[int]] | None = None
+    t: _Task, sources: list[tuple[str, str, str]], groups: list[list[int]] | None = None, wanted: Wanted | None = None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The first stage of a batch, one task per group of sources (each row names a group; without ``groups``, a
-    source): query files are parsed and indexed by bucket in the batch's staged EventStore; click files are parsed
-    into candidates; retry files are read back as candidates. Malformed lines are quarantined. The shuffle after
-    this stage is the barrier that puts every new query in the store before any click of the batch looks for it."""
+    source): query files are parsed and indexed by bucket in the batch's staged EventStore, and the queries
+    ``wanted`` names shipped to their clicks; click files are parsed into candidates; retry files are read back as
+    candidates. Malformed lines are quarantined. ``SHUFFLED`` rows out. The shuffle after this stage is the barrier
+    that puts every new query in the store before any click of the batch looks for it."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
@@ -334,26 +447,12 @@ def _source_task(
         read: dict[str, list[Any]] = {}
         marker_name = ""
         mine = [i for g in _indices(batches) for i in (groups[g] if groups is not None else [g])]
-        files = [i for i in mine if sources[i][0] != "retries"]
-        # One client per worker and kind (a child store is a client of its own); a task of a test reads paths.
-        top = t.source_root.rstrip("/")
-        kinds = {k: cached_store(f"{top}/{k}") for k in ("queries", "clicks")} if t.source_root else {}
-
-        def read_file(i: int) -> tuple[bytes | None, Entry | None]:
-            kind, path_s, rel = sources[i]
-            as_seen = t.settled.get(f"{kind}/{rel}")
-            settled_as = (int(as_seen[0]), str(as_seen[1])) if as_seen else None
-            if kinds:
-                return read_whole(kinds[kind], rel, settled_as)
-            return read_whole(Path(path_s), settled_as=settled_as)
-
-        # On an object store the next files are read while this one is parsed (a few: each is held whole).
-        remote = any(store.atomic for store in kinds.values())
-        reads = in_flight([functools.partial(read_file, i) for i in files], READ_AHEAD if remote else 1)
+        kinds, reads = _read_files(t, sources, [i for i in mine if sources[i][0] != "retries"])
         for i in mine:
             kind, path_s, rel = sources[i]  # rel: the file's name in the logs (EVENTS.md), as records name it
             if kind == "retries":  # a key in the pipeline's state
-                yield from pq.read_table(pa.BufferReader(t.state_store.get(path_s)), schema=CANDIDATE).to_batches()
+                retries = pq.read_table(pa.BufferReader(t.state_store.get(path_s)), schema=CANDIDATE)
+                yield from _shuffled(retries, wanted).to_batches()
                 continue
             marker_name = marker_name or f"{t.tag}-t{i:06d}"  # named after the task's first log file: unique
             whole, e = next(reads)
@@ -386,8 +485,11 @@ def _source_task(
             if kind == "queries":
                 stored.append(index_of(good, rel, offsets, lengths))
                 first = i if first is None else first
+                shipped = wanted.ship(good, content, offsets, lengths) if wanted is not None and n else None
+                if shipped is not None:
+                    yield from shipped.to_batches()
             elif n:
-                yield from pa.Table.from_pydict(
+                candidates = pa.Table.from_pydict(
                     {
                         "click_id": good.column("click_id"),
                         "click_ts_us": good.column("ts_us"),
@@ -404,7 +506,8 @@ def _source_task(
                         ),
                     },
                     CANDIDATE,
-                ).to_batches()
+                )
+                yield from _shuffled(candidates, wanted).to_batches()
         indexed = 0
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
             index = pa.concat_tables(stored)
@@ -418,6 +521,17 @@ def _source_task(
     return run
 
 
+def _shuffled(candidates: pa.Table, wanted: Wanted | None) -> pa.Table:
+    """``CANDIDATE`` rows as ``SHUFFLED`` rows, each marked whether ``wanted`` names its pair."""
+    n = candidates.num_rows
+    named = (
+        wanted.named(candidates.column("click_id"), candidates.column("query_id"))
+        if wanted is not None and n
+        else pa.array(np.zeros(n, bool))
+    )
+    return candidates.append_column("wanted", named).append_column("line", pa.nulls(n, pa.binary()))
+
+
 def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Steps 2-6 for one partition of candidates (all copies of a click id land in the same partition)."""
 
@@ -428,9 +542,12 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
         os.environ[REPLICATION_ENV] = t.replication  # this task's registry connections follow its driver's rule
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
-        rows = pa.Table.from_batches(list(batches), CANDIDATE)
+        rows = pa.Table.from_batches(list(batches), SHUFFLED)
+        query = pc.is_valid(rows.column("line"))
+        shipped = rows.filter(query).select(["click_id", "query_id", "line"])
+        rows = rows.filter(pc.invert(query)).drop_columns(["line"])
         try:
-            counts, latencies = join_partition(t, rows, part)
+            counts, latencies = join_partition(t, rows, part, shipped)
         finally:
             if t.code:
                 # On a Spark Connect server every client session gets Python workers of its own, which outlive it
@@ -444,16 +561,22 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
     return run
 
 
-def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int], np.ndarray]:
-    """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition.
-    Returns the partition's counts and the joined clicks' latencies."""
+def join_partition(
+    t: _Task, rows: pa.Table, part: int, shipped: pa.Table | None = None
+) -> tuple[dict[str, int], np.ndarray]:
+    """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition of
+    candidates (``CANDIDATE``, and ``wanted`` if the batch had a ``Wanted``); ``shipped``: the batch's own queries
+    shipped to them (``SHUFFLED``'s click_id, query_id, line). Returns the partition's counts and the joined
+    clicks' latencies."""
     from photon.joiner.eventstore import cache_for
     from photon.registry.client import Outcome
     from photon.registry.owners import Token
 
-    counts = dict.fromkeys(JOIN_COUNTS, 0)
+    counts = dict.fromkeys((*JOIN_COUNTS, "shipped"), 0)
     root, stage = t.root_store, t.stage
     name = f"{t.tag}-p{part:04d}"
+    if "wanted" not in rows.schema.names:
+        rows = rows.append_column("wanted", pa.array(np.zeros(rows.num_rows, bool)))
     # One row per click id: a due copy first, then the earliest seen; a copy the verifier re-dispatched lends the
     # kept row its recovery time (the click's deadline runs from there, whichever copy is kept).
     rows = rows.append_column("_due", pc.less_equal(rows.column("due_us"), t.now))
@@ -464,7 +587,7 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     rows = rows.set_column(rows.schema.get_field_index("recovered_us"), "recovered_us", kept.column("recovered_us_max"))
     due_mask = rows.column("_due").to_numpy(zero_copy_only=False)
     waiting = rows.filter(pa.array(~due_mask)).select(CANDIDATE.names)
-    due = rows.filter(pa.array(due_mask)).select(CANDIDATE.names)
+    due = rows.filter(pa.array(due_mask)).select([*CANDIDATE.names, "wanted"])
     counts["clicks"] = due.num_rows
     counts["retries_in"] = int(np.count_nonzero(due.column("attempts").to_numpy() > 0))
     unjoinable: list[pa.Table] = []
@@ -515,12 +638,13 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
         # the data center's shared query index.
         cache = cache_for(f"{t.state.rstrip('/')}/eventstore", t.logs, t.cache_buckets, t.cache_max_rows)
         staged = (root, f"{stage}/eventstore")
-        queries, hit, stats = cache.lookup(live.column("query_id").combine_chunks(), t.bucket_s, staged)
+        queries, hit, stats = _look_up(t, cache, live, shipped, staged)
+        live = live.drop_columns(["wanted"])
         if t.shared_index is not None and not hit.all():
             shared = cache_for(t.shared_index, t.logs, t.cache_buckets, t.cache_max_rows)
             ids = live.column("query_id").combine_chunks()
             queries, hit = lookup_also(shared, ids, t.bucket_s, queries, hit, stats)
-        counts["cache_lookups"], counts["cache_hits"] = stats.lookups, stats.hits
+        counts["cache_lookups"], counts["cache_hits"], counts["shipped"] = stats.lookups, stats.hits, stats.shipped
         miss = live.filter(pa.array(~hit))
         live_hit = live.filter(pa.array(hit))
         q = queries.filter(pa.array(hit))
@@ -603,6 +727,53 @@ def join_partition(t: _Task, rows: pa.Table, part: int) -> tuple[dict[str, int],
     if retries.num_rows:
         t.state_store.put(f"retries/{t.tag}/{name}.parquet", parquet_bytes(retries.cast(CANDIDATE)))
     return counts, latencies
+
+
+def _look_up(
+    t: _Task, cache: Any, live: pa.Table, shipped: pa.Table | None, staged: tuple[Store, str]
+) -> tuple[pa.Table, np.ndarray, Any]:
+    """Step 3 for ``live`` clicks: (queries, hit, stats) as ``EventStoreCache.lookup`` gives them. A click takes the
+    query shipped to it if there is one; else it is looked up in the store, and in the batch's staged queries
+    (``staged``) unless ``Wanted`` named it: every staged query a named click wants was shipped to it."""
+    from photon.joiner.eventstore import LookupStats, nulls, parse_lines
+
+    n = live.num_rows
+    ids = live.column("query_id").combine_chunks()
+    parts, rows = [nulls(n)], np.arange(n)
+    hit = np.zeros(n, bool)
+    if shipped is not None and shipped.num_rows:
+        at = pc.index_in(
+            _pair_keys(live.column("click_id"), live.column("query_id")),
+            value_set=_pair_keys(shipped.column("click_id"), shipped.column("query_id")),
+        )
+        hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
+        # Parsed again, as a line read back from the logs is (each parsed in stage 1 as the very query it names)
+        lines = shipped.column("line").take(pc.fill_null(at, 0)).to_pylist() if hit.any() else []
+        got, ok = parse_lines([line if h else b"" for line, h in zip(lines, hit.tolist(), strict=True)])
+        if len(lines):
+            ok &= pc.fill_null(pc.equal(got.column("query_id"), live.column("query_id")), False).to_numpy(
+                zero_copy_only=False
+            )
+            hit &= ok
+            parts[0] = got
+    shipped_n = int(np.count_nonzero(hit))
+    stats = LookupStats(lookups=n, hits=shipped_n, shipped=shipped_n, unreadable=np.zeros(n, bool))
+    named = live.column("wanted").to_numpy(zero_copy_only=False)
+    for mask, where in ((~hit & named, None), (~hit & ~named, staged)):
+        at = np.flatnonzero(mask)
+        if not len(at):
+            continue
+        more, found, more_stats = cache.lookup(ids.take(pa.array(at)), t.bucket_s, where)
+        stats.hits += more_stats.hits
+        stats.files_read += more_stats.files_read
+        stats.lines_read += more_stats.lines_read
+        stats.lines_missing += more_stats.lines_missing
+        stats.unreadable[at] = more_stats.unreadable
+        rows[at[found]] = sum(p.num_rows for p in parts) + np.flatnonzero(found)
+        hit[at[found]] = True
+        parts.append(more.cast(parts[0].schema))
+    queries = parts[0] if len(parts) == 1 else pa.concat_tables(parts).take(pa.array(rows))
+    return queries, hit, stats
 
 
 def lookup_also(
