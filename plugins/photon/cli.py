@@ -689,8 +689,9 @@ def join_cmd(
 
         def report(r: Any) -> None:
             m = r.metrics
+            shipped = f" ({m['shipped']} with their query shipped)" if m.get("shipped") else ""
             console.print(
-                f"{dc} batch {r.batch_seq}: {m['clicks']} clicks, {m['joined']} joined, {m['prefiltered']} "
+                f"{dc} batch {r.batch_seq}: {m['clicks']} clicks, {m['joined']} joined{shipped}, {m['prefiltered']} "
                 f"pre-filtered, {m['wasted']} wasted, {m['retried']} waiting, {m['unjoinable']} unjoinable, "
                 f"{m['quarantined']} quarantined, {m['duration_s']:.1f}s"
             )

@@ -114,7 +114,7 @@ def test_a_joiner_reads_its_logs_from_a_bucket_and_reports_a_key_put_again(
         output = lease.communicate(timeout=120)[0]
     assert lease.returncode == 143 and "lease released" in output, output[-4000:]  # stopped by SIGTERM
     assert "Traceback" not in output, output[-4000:]
-    assert re.search(r"batch 1: .* [1-9][0-9]* click\(s\) took a query shipped with them", output), output[-4000:]
+    assert re.search(r"batch 1: \d+ clicks, \d+ joined \([1-9]\d* with their query shipped\)", output), output[-4000:]
     report = audit(out, manifest=manifest)
     assert report.lost == 0 and report.duplicate_clicks == 0, report.failures()
     # The one record the manifest does not know: the key put again
@@ -189,3 +189,57 @@ def test_a_backfill_window_and_the_finality_of_its_hour_read_the_bucket(
     assert json.loads(S3Store(f"s3://{bucket}").get(key))["input_clicks"] == marker["input_clicks"]
     report = audit(S3Store(out), manifest=manifest, ran=["dc-a"])
     assert report.lost == 0 and report.duplicate_clicks == 0 and report.outcomes["joined"] > 100, report.failures()
+
+
+def test_queries_shipped_to_their_clicks_keep_the_first_copy_and_leave_clicks_joined_before_alone(
+    tmp_path: Path,
+    s3_server: storage_server.Server,
+    bucket: str,
+    make_db: Callable[[], str],
+    login_as: Callable[[str, str], str],
+) -> None:
+    """Every batch ships its own queries to its clicks (PHOTON_SHIP_QUERIES_FROM_MIB=0). A query logged again with other
+    content: its clicks, of this batch or a later one, join the first copy (README); a click joined before and sent
+    again beside clicks still waiting: pre-filtered, the batch goes on (a partition whose shipped lines no live click
+    took raised once). Found by a review of the shipping, with these logs."""
+
+    def query(t: int, text: str) -> bytes:
+        ads = [{"ad_id": "a1", "advertiser_id": "x", "bid_micros": 1}]
+        q = {"query_id": f"10.0.0.1-1-{t}", "ts_us": t, "user_id": "u", "query_text": text, "country": "DE"}
+        return json.dumps(q | {"ads": ads}).encode() + b"\n"
+
+    def click(t: int, query_ts: int) -> bytes:
+        c = {"click_id": f"10.0.0.2-1-{t}", "ts_us": t, "query_id": f"10.0.0.1-1-{query_ts}", "ad_id": "a1"}
+        return json.dumps(c).encode() + b"\n"
+
+    logs, out = S3Store(f"s3://{bucket}/logs"), tmp_path / "out"
+    admin = make_db()
+    init_registry({"main": admin}, num_shards=2)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", **s3_server.env()}
+    env |= {"PHOTON_REGISTRY_DSN": login_as(admin, "photon_joiner"), "PHOTON_SHIP_QUERIES_FROM_MIB": "0"}
+    cmd = [sys.executable, "-m", "photon", "join", "--dc", "dc-a", "--logs", logs.url, "--out", str(out)]
+    cmd.append("--until-caught-up")
+    t0 = (int(time.time()) - 30) * US
+    q1, q2 = t0, t0 + 2
+    part = partition_of(t0)
+    # Batch 1: q1 (first copy), a click on it, and q1's copy again with other content in a later file of the batch
+    logs.put(f"dc-a/queries/{part}/10.0.0.1-1-{t0}.jsonl", query(q1, "FIRST"))
+    logs.put(f"dc-a/queries/{part}/10.0.0.1-1-{t0 + 1}.jsonl", query(q1, "LATER"))
+    logs.put(f"dc-a/clicks/{part}/10.0.0.2-1-{t0}.jsonl", click(t0 + 10, q1))
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "1 joined (1 with their query shipped)" in first.stdout, first.stdout
+    # Batch 2: q1 logged once more (other content), the batch-1 click sent again, a new click on q1, a new query and
+    # a click on it, and clicks whose queries are not logged yet
+    part2 = partition_of(int(time.time() * US))
+    logs.put(f"dc-a/queries/{part2}/10.0.0.1-1-{t0 + 3}.jsonl", query(q1, "SECOND") + query(q2, "NEW"))
+    waiting = b"".join(click(t0 + 20 + i, t0 + 5 + i) for i in range(40))
+    again = click(t0 + 10, q1) + click(t0 + 11, q1) + click(t0 + 12, q2) + waiting
+    logs.put(f"dc-a/clicks/{part2}/10.0.0.2-1-{t0 + 3}.jsonl", again)
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "Traceback" not in second.stderr, second.stdout[-3000:] + second.stderr[-3000:]
+    said = "batch 2: 43 clicks, 2 joined (1 with their query shipped), 1 pre-filtered, 0 wasted, 40 waiting"
+    assert said in second.stdout, second.stdout
+    rows = DeltaTable(str(out / "dc-a" / "joined")).to_pyarrow_table(columns=["click_id", "query_text"]).to_pylist()
+    got = {r["click_id"]: r["query_text"] for r in rows}
+    assert got == {f"10.0.0.2-1-{t0 + 10}": "FIRST", f"10.0.0.2-1-{t0 + 11}": "FIRST", f"10.0.0.2-1-{t0 + 12}": "NEW"}

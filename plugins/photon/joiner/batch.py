@@ -207,6 +207,7 @@ class BatchRunner:
         first job costs more than it saves: make bench-object-store measured it saving 1.5 s of a 320 MB batch's 7.6
         s, and costing 0.3 s of a 67 MB batch's 3.0 s, which reads its click files twice). None past ``WANTED_MAX``
         pairs: they ride in every stage-1 task."""
+        from pyspark.sql import functions as F
         from pyspark.sql.pandas.types import from_arrow_schema
 
         queries = [i for i, (kind, _, _) in enumerate(sources) if kind == "queries"]
@@ -216,12 +217,16 @@ class BatchRunner:
         if sum(sizes[i] for i in queries) < self.ship_queries_from:
             return None
         groups = [[others[i] for i in g] for g in balanced_groups([sizes[i] for i in others], self.parallelism)]
-        pairs = (
-            self._tasks(len(groups)).mapInArrow(_wanted_task(t, sources, groups), from_arrow_schema(WANTED)).toArrow()
+        found = (
+            self._tasks(len(groups))
+            .mapInArrow(_wanted_task(t, sources, groups), from_arrow_schema(WANTED))
+            # Each click's partition in the batch's shuffle, as repartition(parallelism, "click_id") places it
+            .withColumn("part", F.pmod(F.hash("click_id"), F.lit(self.parallelism)))
+            .toArrow()
         )
-        if pairs.num_rows > WANTED_MAX:
+        if found.num_rows > WANTED_MAX:
             return None
-        return Wanted(pairs.group_by(["click_id", "query_id"], use_threads=False).aggregate([]))
+        return Wanted.of(found)
 
     def _tasks(self, n: int) -> Any:
         """A DataFrame of task indices 0..n-1 spread over the executors: each task reads its own files."""
@@ -278,9 +283,9 @@ class BatchRunner:
         self.retry_key = f"retries/{t.tag}"
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
-        how = f", {shipped} click(s) took a query shipped with them" if shipped else ""
-        log.info("%s batch %d: job %.2fs, commit %.2fs%s: %s", self.pipeline, k, *took, how, metrics)
-        return BatchResult(k, metrics)
+        log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
+        # Said with the batch, not kept by the registry: clicks that took a query shipped with them (tasks.Wanted)
+        return BatchResult(k, {**metrics, "shipped": shipped} if shipped else metrics)
 
     def _quarantine_changed(self, stage: str, tag: str, now: int, batch: int) -> int:
         """Stage the quarantine records of consumed files found changed (``_check_consumed``); how many."""

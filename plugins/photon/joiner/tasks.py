@@ -79,9 +79,10 @@ CANDIDATE = pa.schema(
 WANTED = pa.schema([("click_id", pa.string()), ("query_id", pa.string())])
 # Stage 1's output, shuffled by click id: a candidate (``line`` null; ``wanted``: whether its (click, query) pair
 # was in the batch's ``Wanted``), or one of the batch's own queries shipped to a click that wants it (``line``: the
-# query's log line; the click's id and the query's, the rest null). The line, not the parsed query: the JVM passes
+# query's log line and its place in the batch's staged store, ``order``: a lookup takes the first copy; the id of
+# the click it is addressed to and the query's, the rest null). The line, not the parsed query: the JVM passes
 # bytes on cheaply, and a struct of lists of structs cost the shuffle a second of CPU per 60,000 clicks.
-SHUFFLED = pa.schema([*CANDIDATE, ("wanted", pa.bool_()), ("line", pa.binary())])
+SHUFFLED = pa.schema([*CANDIDATE, ("wanted", pa.bool_()), ("line", pa.binary()), ("order", pa.int64())])
 JOIN_TASK = pa.schema(
     [
         *[(name, pa.int64()) for name in JOIN_COUNTS],
@@ -96,12 +97,24 @@ JOIN_TASK = pa.schema(
 @dataclass
 class Wanted:
     """The (click id, query id) pairs of a batch's due clicks, found by a first pass over its click files and retry
-    set (``BatchRunner._wanted``). A query task ships each of its queries that a pair wants through the shuffle to
-    that click's partition, so a click finds a query of its own batch without reading its log line back. On an
-    object store those lines are in objects another worker parsed: the lookups read every query object of a
-    catch-up batch again, once per worker. A hint, never a rule: a click it does not name is looked up as ever."""
+    set (``BatchRunner._wanted``). A query task ships each of its queries that a pair wants through the shuffle, its
+    line once to each partition a click wanting it is in, so a click finds a query of its own batch without reading
+    its log line back. On an object store those lines are in objects another worker parsed: the lookups read every
+    query object of a catch-up batch again, once per worker. A hint, never a rule: a click it does not name is
+    looked up as ever."""
 
     pairs: pa.Table  # click_id, query_id: distinct
+    # query_id, click_id: per query and partition of the batch's shuffle, a click there wanting it, which its line is
+    # addressed to (the shuffle is by click id); every click of that partition wanting the query takes it
+    to: pa.Table
+
+    @classmethod
+    def of(cls, found: pa.Table) -> Wanted:
+        """From the first job's rows: click_id, query_id, and part (the click's partition in the batch's shuffle)."""
+        found = found.filter(pc.and_(pc.is_valid(found.column("click_id")), pc.is_valid(found.column("query_id"))))
+        pairs = found.group_by(["click_id", "query_id"], use_threads=False).aggregate([])
+        to = found.group_by(["query_id", "part"], use_threads=False).aggregate([("click_id", "min")])
+        return cls(pairs.select(["click_id", "query_id"]), to.select(["query_id", "click_id_min"]))
 
     @functools.cached_property
     def keys(self) -> pa.Array:
@@ -111,25 +124,28 @@ class Wanted:
         """Per click, whether its (click id, query id) is a pair here."""
         return pc.fill_null(pc.is_in(_pair_keys(click_ids, query_ids), value_set=self.keys), False)
 
-    def ship(self, queries: pa.Table, content: bytes, offsets: np.ndarray, lengths: np.ndarray) -> pa.Table | None:
+    def ship(
+        self, queries: pa.Table, content: bytes, offsets: np.ndarray, lengths: np.ndarray, order: int
+    ) -> pa.Table | None:
         """``SHUFFLED`` rows of ``queries`` (one log file's, ``content``; row i's line at ``offsets[i]``, of
-        ``lengths[i]`` bytes): one per pair that wants one of them (the first of a query logged twice in the file);
-        None if none is wanted."""
-        at = pc.index_in(self.pairs.column("query_id"), value_set=queries.column("query_id"))
+        ``lengths[i]`` bytes, its place in the batch's staged store ``order + i``): one per query and partition
+        wanting it (the first of a query logged twice in the file); None if none is wanted."""
+        at = pc.index_in(self.to.column("query_id"), value_set=queries.column("query_id"))
         hit = pc.is_valid(at)
         n = pc.sum(hit).as_py() or 0
         if not n:
             return None
-        pairs = self.pairs.filter(hit)
+        to = self.to.filter(hit)
         rows = pc.drop_null(at).to_numpy(zero_copy_only=False)
         lines = [content[o : o + ln] for o, ln in zip(offsets[rows].tolist(), lengths[rows].tolist(), strict=True)]
         nulls = {f.name: pa.nulls(n, f.type) for f in SHUFFLED}
         return pa.table(
             nulls
             | {
-                "click_id": pairs.column("click_id"),
-                "query_id": pairs.column("query_id"),
+                "click_id": to.column("click_id_min"),
+                "query_id": to.column("query_id"),
                 "line": pa.array(lines, pa.binary()),
+                "order": pa.array(rows.astype(np.int64) + order, pa.int64()),
             },
             schema=SHUFFLED,
         )
@@ -483,9 +499,12 @@ def _source_task(
                 quarantined.append(_quarantine(bad, t.dc, kind, t.now))
             n = good.num_rows
             if kind == "queries":
-                stored.append(index_of(good, rel, offsets, lengths))
                 first = i if first is None else first
-                shipped = wanted.ship(good, content, offsets, lengths) if wanted is not None and n else None
+                # Its rows' place in the batch's staged store: the task's files in the order of their names (its
+                # first file's number), then the rows in the order stored (write_index keeps it in each bucket)
+                order = (first << 32) + sum(x.num_rows for x in stored)
+                stored.append(index_of(good, rel, offsets, lengths))
+                shipped = wanted.ship(good, content, offsets, lengths, order) if wanted is not None and n else None
                 if shipped is not None:
                     yield from shipped.to_batches()
             elif n:
@@ -529,7 +548,8 @@ def _shuffled(candidates: pa.Table, wanted: Wanted | None) -> pa.Table:
         if wanted is not None and n
         else pa.array(np.zeros(n, bool))
     )
-    return candidates.append_column("wanted", named).append_column("line", pa.nulls(n, pa.binary()))
+    candidates = candidates.append_column("wanted", named).append_column("line", pa.nulls(n, pa.binary()))
+    return candidates.append_column("order", pa.nulls(n, pa.int64()))
 
 
 def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -544,8 +564,8 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
         part = ctx.partitionId() if ctx is not None else 0
         rows = pa.Table.from_batches(list(batches), SHUFFLED)
         query = pc.is_valid(rows.column("line"))
-        shipped = rows.filter(query).select(["click_id", "query_id", "line"])
-        rows = rows.filter(pc.invert(query)).drop_columns(["line"])
+        shipped = rows.filter(query).select(["click_id", "query_id", "line", "order"])
+        rows = rows.filter(pc.invert(query)).drop_columns(["line", "order"])
         try:
             counts, latencies = join_partition(t, rows, part, shipped)
         finally:
@@ -566,8 +586,8 @@ def join_partition(
 ) -> tuple[dict[str, int], np.ndarray]:
     """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition of
     candidates (``CANDIDATE``, and ``wanted`` if the batch had a ``Wanted``); ``shipped``: the batch's own queries
-    shipped to them (``SHUFFLED``'s click_id, query_id, line). Returns the partition's counts and the joined
-    clicks' latencies."""
+    shipped to the partition (``SHUFFLED``'s click_id, query_id, line, order). Returns the partition's counts and
+    the joined clicks' latencies."""
     from photon.joiner.eventstore import cache_for
     from photon.registry.client import Outcome
     from photon.registry.owners import Token
@@ -732,46 +752,48 @@ def join_partition(
 def _look_up(
     t: _Task, cache: Any, live: pa.Table, shipped: pa.Table | None, staged: tuple[Store, str]
 ) -> tuple[pa.Table, np.ndarray, Any]:
-    """Step 3 for ``live`` clicks: (queries, hit, stats) as ``EventStoreCache.lookup`` gives them. A click takes the
-    query shipped to it if there is one; else it is looked up in the store, and in the batch's staged queries
-    (``staged``) unless ``Wanted`` named it: every staged query a named click wants was shipped to it."""
+    """Step 3 for ``live`` clicks: (queries, hit, stats) as ``EventStoreCache.lookup`` gives them, each the first copy
+    of its query that reads back: one stored by an earlier batch first, then the batch's own. A click ``Wanted`` named
+    is looked up in the store only, then takes the first line shipped to its partition (every query of the batch's
+    own it could want was shipped there); any other in the store and in the batch's staged queries (``staged``)."""
     from photon.joiner.eventstore import LookupStats, nulls, parse_lines
 
     n = live.num_rows
     ids = live.column("query_id").combine_chunks()
-    parts, rows = [nulls(n)], np.arange(n)
-    hit = np.zeros(n, bool)
-    if shipped is not None and shipped.num_rows:
-        at = pc.index_in(
-            _pair_keys(live.column("click_id"), live.column("query_id")),
-            value_set=_pair_keys(shipped.column("click_id"), shipped.column("query_id")),
-        )
-        hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
-        # Parsed again, as a line read back from the logs is (each parsed in stage 1 as the very query it names)
-        lines = shipped.column("line").take(pc.fill_null(at, 0)).to_pylist() if hit.any() else []
-        got, ok = parse_lines([line if h else b"" for line, h in zip(lines, hit.tolist(), strict=True)])
-        if len(lines):
-            ok &= pc.fill_null(pc.equal(got.column("query_id"), live.column("query_id")), False).to_numpy(
-                zero_copy_only=False
-            )
-            hit &= ok
-            parts[0] = got
-    shipped_n = int(np.count_nonzero(hit))
-    stats = LookupStats(lookups=n, hits=shipped_n, shipped=shipped_n, unreadable=np.zeros(n, bool))
     named = live.column("wanted").to_numpy(zero_copy_only=False)
-    for mask, where in ((~hit & named, None), (~hit & ~named, staged)):
-        at = np.flatnonzero(mask)
-        if not len(at):
-            continue
-        more, found, more_stats = cache.lookup(ids.take(pa.array(at)), t.bucket_s, where)
-        stats.hits += more_stats.hits
-        stats.files_read += more_stats.files_read
-        stats.lines_read += more_stats.lines_read
-        stats.lines_missing += more_stats.lines_missing
-        stats.unreadable[at] = more_stats.unreadable
+    parts, rows, hit = [nulls(n)], np.arange(n), np.zeros(n, bool)
+    stats = LookupStats(lookups=n, unreadable=np.zeros(n, bool))
+
+    def took(at: np.ndarray, got: pa.Table, found: np.ndarray) -> None:
         rows[at[found]] = sum(p.num_rows for p in parts) + np.flatnonzero(found)
         hit[at[found]] = True
-        parts.append(more.cast(parts[0].schema))
+        stats.unreadable[at[found]] = False
+        parts.append(got.cast(parts[0].schema))
+
+    for at, where in ((np.flatnonzero(named), None), (np.flatnonzero(~named), staged)):
+        if len(at):
+            more, found, more_stats = cache.lookup(ids.take(pa.array(at)), t.bucket_s, where)
+            stats.hits += more_stats.hits
+            stats.files_read += more_stats.files_read
+            stats.lines_read += more_stats.lines_read
+            stats.lines_missing += more_stats.lines_missing
+            stats.unreadable[at] = more_stats.unreadable
+            took(at, more, found)
+    at = np.flatnonzero(named & ~hit)
+    if shipped is not None and shipped.num_rows and len(at):
+        first = shipped.sort_by("order")  # index_in takes the first match: the first copy in store order
+        where = pc.index_in(ids.take(pa.array(at)), value_set=first.column("query_id"))
+        sent = pc.is_valid(where).to_numpy(zero_copy_only=False)
+        at = at[sent]
+        if len(at):
+            # Parsed again, as a line read back from the logs is (each parsed in stage 1 as the very query it names)
+            got, found = parse_lines(first.column("line").take(pc.drop_null(where)).to_pylist())
+            found &= pc.fill_null(pc.equal(got.column("query_id"), ids.take(pa.array(at))), False).to_numpy(
+                zero_copy_only=False
+            )
+            took(at, got, found)
+            stats.shipped = int(np.count_nonzero(found))
+            stats.hits += stats.shipped
     queries = parts[0] if len(parts) == 1 else pa.concat_tables(parts).take(pa.array(rows))
     return queries, hit, stats
 
