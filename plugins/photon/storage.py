@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from photon.durable import fsync_dir, make_dirs
 
 if TYPE_CHECKING:
-    from obstore.store import RetryConfig, S3Config
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 T = TypeVar("T")
 
@@ -390,6 +390,7 @@ class S3Store:
                 prefix=self.prefix or None,
                 config=cast("S3Config", config) or None,
                 retry_config=cast("RetryConfig", _retry_config()),
+                client_options=cast("ClientConfig", _client_options()),
             )
         except StorageError:
             raise
@@ -685,6 +686,8 @@ def _retry_s() -> float:
 # 1.5 s. The pause between tries grows to 2 s at most, so a store back within the budget is found within 2 s.
 MAX_BACKOFF_S = 2.0
 MAX_RETRIES = 10_000  # never the bound: the budget is
+STALL_S = 10.0  # at most this long without a byte of an answer (``_client_options``)
+REQUEST_MAX_S = 600.0  # a whole request, its body included
 
 
 def _again(act: Callable[[], T]) -> T:
@@ -732,6 +735,15 @@ def _retry_config() -> dict[str, Any]:
     """obstore's retry configuration (a ``RetryConfig``)."""
     backoff = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=MAX_BACKOFF_S)}
     return {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=_retry_s()), "backoff": backoff}
+
+
+def _client_options() -> dict[str, Any]:
+    """obstore's HTTP client options (a ``ClientConfig``). A peer gone without a reset (a partition, a paused machine)
+    sends nothing and closes nothing: an answer stalled for half the retry budget is given up on and the request
+    tried again within it (the client's one timeout, 30 s for the whole request, outlasted the budget and then cut a
+    large object's read on a slow link). A whole request may take as long as its bytes need, a bounded while."""
+    stall = min(STALL_S, _retry_s() / 2)
+    return {"read_timeout": timedelta(seconds=stall), "timeout": timedelta(seconds=REQUEST_MAX_S)}
 
 
 def _retry_options() -> dict[str, str]:

@@ -2,7 +2,8 @@
 and for the first ``drops`` requests that ``match`` (method, path, headers) it forwards the request, reads the
 server's answer, then closes the client's connection without sending it: the request took effect, the client never
 heard. With ``cut=True`` it sends the answer's head and half its body instead, then closes (a server killed while it
-answered). ``DropProxy(upstream_port, match, drops=1).port``."""
+answered); with ``hang=s`` it sends nothing and holds the connection open for s seconds (a peer gone without a
+reset: a network partition, a paused machine). ``DropProxy(upstream_port, match, drops=1).port``."""
 
 from __future__ import annotations
 
@@ -11,15 +12,21 @@ import http.client
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 
 class DropProxy:
     def __init__(
-        self, upstream_port: int, match: Callable[[str, str, dict[str, str]], bool], drops: int = 1, cut: bool = False
+        self,
+        upstream_port: int,
+        match: Callable[[str, str, dict[str, str]], bool],
+        drops: int = 1,
+        cut: bool = False,
+        hang: float = 0.0,
     ):
         self.upstream_port = upstream_port
-        self.cut = cut
+        self.cut, self.hang = cut, hang
         self.match = match
         self.drops_left = drops
         self.dropped: list[str] = []
@@ -80,8 +87,11 @@ class DropProxy:
                     drop = self.drops_left > 0 and self.match(method, path, hd)
                     if drop:
                         self.drops_left -= 1
-                        how = "cut" if self.cut else "dropped"
+                        how = "cut" if self.cut else "held" if self.hang else "dropped"
                         self.dropped.append(f"{method} {path} -> {r.status} (answer {how})")
+                if drop and self.hang:
+                    time.sleep(self.hang)  # not a byte, no reset: the client has only its own timeouts
+                    return
                 if drop and not self.cut:
                     return  # the finally closes the client's connection: no answer at all
                 out = [f"HTTP/1.1 {r.status} {r.reason}\r\n".encode()]

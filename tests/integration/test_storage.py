@@ -689,6 +689,37 @@ def test_reads_ride_an_answer_cut_off_midway(s3_server: storage_server.Server, b
         assert act(via) == want and len(proxy.dropped) == 1, (name, proxy.dropped)
 
 
+def test_a_store_that_stops_answering_without_a_reset_is_asked_again_within_the_budget(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer gone without a reset (a partition, a paused machine) sends nothing and closes nothing: a request waited
+    out the client's overall timeout (30 s) whatever PHOTON_STORAGE_RETRY_S said, then was not tried again (past
+    the budget). Now a stalled answer is given up on within half the budget and the request tried again: each kind
+    of request rides one answer held back for minutes, in a few seconds, as a store back within the budget does."""
+    from tests.integration.drop_proxy import DropProxy, put_create
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "4")
+    direct = open_store(f"s3://{bucket}/p")
+    for k in ("a/1", "a/2"):
+        direct.put(k, b"0123456789" * 100)
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    get = lambda method, path, h: method == "GET"  # noqa: E731
+    acts = {
+        "read": (get, lambda s: s.read("a/1")[0], b"0123456789" * 100),
+        "ranges": (get, lambda s: s.get_ranges("a/2", [(0, 4), (500, 510)]), [b"0123", b"0123456789"]),
+        "listing": (get, lambda s: [e.key for e in s.listing()], ["a/1", "a/2"]),
+        "put": (lambda m, p, h: m == "PUT", lambda s: (s.put("b/1", b"x"), s.get("b/1"))[1], b"x"),
+        "put-if-absent": (put_create(rf"/{bucket}/p/"), lambda s: s.put("c/1", b"mine", if_absent=True), True),
+    }
+    for name, (match, act, want) in acts.items():
+        proxy = DropProxy(port, match, drops=1, hang=300)
+        via = S3Store(f"s3://{bucket}/p", {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        t0 = time.monotonic()
+        assert act(via) == want and len(proxy.dropped) == 1, (name, proxy.dropped)
+        assert time.monotonic() - t0 < 4, (name, time.monotonic() - t0)
+    assert direct.get("c/1") == b"mine"
+
+
 def test_table_opens_and_a_first_publish_ride_a_delta_log_listing_cut_off_midway(
     s3_server: storage_server.Server, bucket: str
 ) -> None:
