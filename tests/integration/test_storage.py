@@ -859,3 +859,34 @@ def test_publishers_and_listers_ride_a_store_sigkilled_again_and_again(
         batches = table["decided_at_us"].to_pylist()
         assert sorted(batches) == sorted(b for b in range(1, published[p] + 1) for _ in range(3)), p
         assert published[p] > 5, published
+
+
+def test_a_port_taken_between_its_choice_and_the_servers_bind_is_chosen_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a full test run: a restart's metrics port, free when chosen, was taken before weed bound it (weed:
+    "bind: address already in use", and exits): the start failed. A port held by someone else at the start is now
+    chosen again, and ports are chosen outside the range the kernel hands out for outgoing connections."""
+    real = storage_server.free_ports
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    calls = []
+
+    def first_one_taken(n: int) -> list[int]:
+        ports = real(n)
+        calls.append(ports)
+        return [taken.getsockname()[1], *ports[1:]] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(storage_server, "free_ports", first_one_taken)
+    folder = tmp_path / "s3"
+    try:
+        server = storage_server.start(folder)
+        assert len(calls) == 2 and taken.getsockname()[1] not in server.ports.values(), calls
+        said = (folder / "server.log").read_text()
+        assert any(m in said for m in storage_server.PORT_TAKEN), said[-2000:]  # weed's refusal, then the retry
+    finally:
+        storage_server.stop(folder, hard=True)
+        taken.close()
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(p < low for p in real(20)), "chosen among the ports handed out for outgoing connections"

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import re
 import secrets
 import shlex
@@ -61,12 +62,19 @@ PORTS = (
 )
 
 
+PORT_TAKEN = ("address already in use", "is not available on")  # weed's words for a port it could not bind
+
+
 class StorageServerError(RuntimeError):
     """The local S3 server could not start or answer; the message says why and where its log is."""
 
 
 class _StartHung(StorageServerError):
     """A start that ran but did not answer within START_TIMEOUT_S."""
+
+
+class _PortTaken(StorageServerError):
+    """A start whose server found one of its ports taken (free when chosen) and exited."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,34 @@ def weed_binary() -> str:
 
 
 def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on loopback now, for a server to bind later. Outside the range the kernel hands out
+    for outgoing connections where it can: a port it gave us free was taken as an outgoing connection's own before
+    weed bound it (its connections among its own parts are many during a restart)."""
+    low = _outgoing_ports_from()
+    if low <= FIRST_PORT + 4 * n:
+        return _kernel_ports(n)
+    pick = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(200 * n):
+        port = pick.randrange(FIRST_PORT, low)
+        if port not in ports and _free(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    return _kernel_ports(n)
+
+
+FIRST_PORT = 10_000  # below: well-known and registered services' ports
+
+
+def _outgoing_ports_from() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _kernel_ports(n: int) -> list[int]:
     held, ports = [], []
     try:
         for _ in range(n):
@@ -201,12 +237,20 @@ def start(
             if found is not None and _credentials(folder) != credentials:
                 raise StorageServerError(f"the S3 server of {folder} runs with other credentials: stop it first")
             _keep_credentials(folder, *credentials)
-        try:
-            server = found or _start(folder, host, bind, s3_port)
-        except _StartHung:
-            # Once in about 120 restarts after a SIGKILL, weed stayed at "Volume starting" for 60 s: a second start
-            # (on the same S3 port: its clients hold the endpoint) came up at once.
-            server = _start(folder, host, bind, s3_port)
+        server, hung, taken = found, 0, 0
+        while server is None:
+            try:
+                server = _start(folder, host, bind, s3_port)
+            except _StartHung:
+                # Once in about 120 restarts after a SIGKILL, weed stayed at "Volume starting" for 60 s: a second
+                # start (on the same S3 port: its clients hold the endpoint) came up at once.
+                hung += 1
+                if hung > 1:
+                    raise
+            except _PortTaken:
+                taken += 1  # other ports this time (the S3 port kept if it is still free)
+                if taken > 3:
+                    raise
         for b in buckets:
             create_bucket(server, b)
         return server
@@ -249,6 +293,7 @@ def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_po
     cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
     cmd += [f"-{name}={port}" for name, port in ports.items()]
     log = open(folder / "server.log", "ab")  # noqa: SIM115 (the child holds it)
+    said_from = log.tell()  # what this start's server says begins here
     # The server's key is in s3.json (mode 600); none in its environment, where it would be the key given to us.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PHOTON_STORAGE_", "AWS_"))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env)
@@ -261,8 +306,11 @@ def _start(folder: Path, host: str = "127.0.0.1", bind: str = "127.0.0.1", s3_po
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _answers(endpoint):
             if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (folder / "server.log").read_text(errors="replace")[-2000:]
+                said = (folder / "server.log").read_bytes()[said_from:].decode(errors="replace")
+                tail = said[-2000:]
                 error = StorageServerError if proc.poll() is not None else _StartHung
+                if proc.poll() is not None and any(m in said for m in PORT_TAKEN):
+                    error = _PortTaken
                 raise error(f"the local S3 server did not start (log {folder / 'server.log'}):\n{tail}")
             time.sleep(0.2)
         env_file(folder)
