@@ -543,7 +543,7 @@ class S3Store:
 
         if not if_absent:
             try:
-                obstore.put(self._store, _check_key(key), data, mode="overwrite")
+                obstore.put(self._store, _check_key(key), data, mode="overwrite", **_as_put(key, data))
             except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
                 raise self._error(exc, key) from None
             return True
@@ -554,7 +554,7 @@ class S3Store:
         # (a reviewer's proxy dropping one answer made the lease start's probe refuse a sound store).
         def create() -> bool:
             try:
-                obstore.put(self._store, _check_key(key), data, mode="create")
+                obstore.put(self._store, _check_key(key), data, mode="create", **_as_put(key, data))
             except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
                 return self._holds(key, data)  # S3 answers a lost race 412; some stores 409
             return True
@@ -636,6 +636,23 @@ class S3Store:
     def child(self, prefix: str) -> S3Store:
         _check_key(prefix.strip("/"))
         return S3Store(f"s3://{self.bucket}/{'/'.join(p for p in (self.prefix, prefix.strip('/')) if p)}", self.options)
+
+
+# An object's content type, by its key's ending. Sent with every put, in one request up to SINGLE_PUT_MAX: SeaweedFS
+# gzips a chunk it takes for text (a JSONL log sent without a type, any part of a multipart upload) and inflates it on
+# every read, 0.16 s of its CPU per 27 MB log object against 0.01 s stored as sent, on the cores the joiner runs on.
+CONTENT_TYPES = {
+    ".jsonl": "application/x-ndjson",
+    ".parquet": "application/vnd.apache.parquet",
+    ".json": "application/json",
+    ".arrow": "application/vnd.apache.arrow.file",
+}
+SINGLE_PUT_MAX = 1 << 30  # S3 takes up to 5 GiB in one PUT; a larger object goes in parts
+
+
+def _as_put(key: str, data: bytes) -> dict[str, Any]:
+    kind = CONTENT_TYPES.get(os.path.splitext(key)[1], "binary/octet-stream")
+    return {"attributes": {"Content-Type": kind}, "use_multipart": len(data) > SINGLE_PUT_MAX}
 
 
 def check_conditional_writes(store: Store, folder: str = "_probe") -> None:
