@@ -363,7 +363,8 @@ _METRIC = re.compile(r"^SeaweedFS_s3_request_(total|seconds_sum)\{([^}]*)\} (\S+
 
 def requests(server: Server) -> dict[str, dict[str, float]] | None:
     """The S3 requests the server answered since it started, by type (GET, PUT, LIST, DELETE, ...): ``{"count": n,
-    "seconds": s}`` each, s the time it spent answering them; None for a server started without its metrics port."""
+    "seconds": s}`` each, s the time it spent answering them; None for a server started without its metrics port. A
+    request is counted once answered: its count may lag the answer by a moment."""
     port = server.ports.get("metricsPort")
     if port is None:
         return None
