@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -313,7 +314,7 @@ def test_objects_are_stored_as_put_with_their_content_type_not_compressed_by_the
     import obstore
 
     store = S3Store(f"s3://{bucket}/typed")
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     words = [secrets.token_hex(rng.randint(2, 6)) for _ in range(2_000)]
     log = b"".join(
         json.dumps({"query_id": f"q-{i}", "text": " ".join(rng.choices(words, k=6))}).encode() + b"\n"

@@ -63,6 +63,7 @@ PORTS = (
 
 
 PORT_TAKEN = ("address already in use", "is not available on")  # weed's words for a port it could not bind
+FIRST_PORT = 10_000  # below: well-known and registered services' ports
 
 
 class StorageServerError(RuntimeError):
@@ -115,9 +116,6 @@ def free_ports(n: int) -> list[int]:
             if len(ports) == n:
                 return ports
     return _kernel_ports(n)
-
-
-FIRST_PORT = 10_000  # below: well-known and registered services' ports
 
 
 def _outgoing_ports_from() -> int:
