@@ -574,7 +574,7 @@ class S3Store:
         import obstore
 
         try:
-            obstore.delete(self._store, _check_read_key(key))
+            _again(lambda: obstore.delete(self._store, _check_read_key(key)))
         except (obstore.exceptions.NotFoundError, FileNotFoundError):  # obstore raises either
             return
         except (obstore.exceptions.BaseError, OSError, ValueError) as exc:  # obstore maps some to OSError
@@ -710,10 +710,11 @@ REQUEST_MAX_S = 600.0  # a whole request, its body included
 
 
 def _again(act: Callable[[], T]) -> T:
-    """An idempotent request ``act`` (a listing, a bulk delete), tried again within the budget when it was cut off
-    midway (a server killed while it answered): the client retries a request that got no answer and an object's
-    read whose body broke off, never a listing's body or a POST; a lease's listing and its stage's removal failed so
-    when the store restarted. Any other failure is raised at once."""
+    """An idempotent request ``act`` (a listing, a delete), tried again within the budget when it was cut off midway
+    (a server killed while it answered, or as the request reached it): the client retries a request that got no
+    answer and an object's read whose body broke off, never a listing's body, nor a POST whose connection was reset
+    (a delete is a bulk DeleteObjects POST, even of one key); a lease's listing, its stage's removal and a publish's
+    move failed so when the store restarted. Any other failure is raised at once."""
     import obstore
 
     return again(act, lambda exc: isinstance(exc, obstore.exceptions.GenericError) and broke_off(exc))

@@ -3,7 +3,8 @@ and for the first ``drops`` requests that ``match`` (method, path, headers) it f
 server's answer, then closes the client's connection without sending it: the request took effect, the client never
 heard. With ``cut=True`` it sends the answer's head and half its body instead, then closes (a server killed while it
 answered); with ``hang=s`` it sends nothing and holds the connection open for s seconds (a peer gone without a
-reset: a network partition, a paused machine). ``DropProxy(upstream_port, match, drops=1).port``."""
+reset: a network partition, a paused machine); with ``reset=True`` it resets the connection on reading the request,
+forwarding nothing (a server killed as the request reached it). ``DropProxy(upstream_port, match, drops=1).port``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextlib
 import http.client
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -24,9 +26,10 @@ class DropProxy:
         drops: int = 1,
         cut: bool = False,
         hang: float = 0.0,
+        reset: bool = False,
     ):
         self.upstream_port = upstream_port
-        self.cut, self.hang = cut, hang
+        self.cut, self.hang, self.reset = cut, hang, reset
         self.match = match
         self.drops_left = drops
         self.dropped: list[str] = []
@@ -44,8 +47,19 @@ class DropProxy:
             c, _ = self.sock.accept()
             threading.Thread(target=self._serve, args=(c,), daemon=True).start()
 
+    def _take(self, method: str, path: str, hd: dict[str, str], what: str) -> bool:
+        """Whether this request is one to drop (noted in ``seen`` and, if dropped, ``dropped``)."""
+        with self.lock:
+            drop = self.drops_left > 0 and self.match(method, path, hd)
+            self.seen.append((method, path, what if drop else "forwarded"))
+            if drop:
+                self.drops_left -= 1
+                self.dropped.append(f"{method} {path} -> {what}")
+            return drop
+
     def _serve(self, c: socket.socket) -> None:
         f = c.makefile("rb")
+        rst = False
         up = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
         try:
             while True:
@@ -76,19 +90,21 @@ class DropProxy:
                     body = b"".join(chunks)
                     headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
                     headers.append(("Content-Length", str(len(body))))
+                if self.reset and self._take(method, path, hd, "reset, not forwarded"):
+                    # An RST, not a FIN: no linger, and no shutdown (which would send a FIN first); the file made of
+                    # the socket holds its descriptor open until it is closed too.
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    f.close()
+                    rst = True
+                    return
                 up.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
                 for k, v in headers:
                     up.putheader(k, v)
                 up.endheaders(body or None)
                 r = up.getresponse()
                 data = r.read()
-                with self.lock:
-                    self.seen.append((method, path, r.status))
-                    drop = self.drops_left > 0 and self.match(method, path, hd)
-                    if drop:
-                        self.drops_left -= 1
-                        how = "cut" if self.cut else "held" if self.hang else "dropped"
-                        self.dropped.append(f"{method} {path} -> {r.status} (answer {how})")
+                how = "cut" if self.cut else "held" if self.hang else "dropped"
+                drop = not self.reset and self._take(method, path, hd, f"{r.status} (answer {how})")
                 if drop and self.hang:
                     time.sleep(self.hang)  # not a byte, no reset: the client has only its own timeouts
                     return
@@ -114,8 +130,9 @@ class DropProxy:
             return
         finally:
             up.close()
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+            if not rst:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
             c.close()
 
 
