@@ -870,7 +870,7 @@ class Nemesis:
             if self.store_folder is not None:
                 from photon.tools import storage_server
 
-                storage_server.stop(self.store_folder)
+                storage_server.stop(self.store_folder, hard=True)  # checked already; its data stays on disk
         self.outcome.wall_s = round(time.monotonic() - t_wall, 1)
         return self.outcome
 
