@@ -721,9 +721,11 @@ def _again(act: Callable[[], T]) -> T:
 
 
 # What a store's client says of a request cut off by a server that went away mid-answer (or mid-request): a listing's
-# body broken off, a connection reset under a conditional put or a Delta commit, which no client retries by itself.
+# body broken off, a connection reset under a conditional put or a Delta commit, which no client retries by itself,
+# or an answer that never came within deltalake's timeout (a peer gone without a reset).
 _BROKE_OFF = re.compile(
-    r"body error|reset by peer|connection closed|broken pipe|end of file before message length", re.IGNORECASE
+    r"body error|reset by peer|connection closed|broken pipe|end of file before message length|timed out",
+    re.IGNORECASE,
 )
 
 
@@ -767,12 +769,16 @@ def _client_options() -> dict[str, Any]:
 
 
 def _retry_options() -> dict[str, str]:
-    """The same for deltalake, as its storage options."""
+    """The same for deltalake, as its storage options. It takes one bound of a request's time, the whole request's
+    ("timeout"; "read_timeout" is not read): half the budget, so that an answer held by a peer gone without a reset
+    is given up on and asked again within the budget (its default, 30 s, outlasted the budget: a table's read and a
+    publish's commit failed). A read through deltalake (a data file of the output) must end within it."""
     return {
         "max_retries": str(MAX_RETRIES),
         "retry_timeout": f"{max(1, round(_retry_s()))}s",
         "backoff_config.init_backoff": "100ms",
         "backoff_config.max_backoff": f"{MAX_BACKOFF_S:g}s",
+        "timeout": f"{int(_retry_s() * 1000 / 2)}ms",
     }
 
 

@@ -773,7 +773,12 @@ def test_a_store_that_stops_answering_without_a_reset_is_asked_again_within_the_
     """A peer gone without a reset (a partition, a paused machine) sends nothing and closes nothing: a request waited
     out the client's overall timeout (30 s) whatever PHOTON_STORAGE_RETRY_S said, then was not tried again (past
     the budget). Now a stalled answer is given up on within half the budget and the request tried again: each kind
-    of request rides one answer held back for minutes, in a few seconds, as a store back within the budget does."""
+    of request rides one answer held back for minutes, in a few seconds, as a store back within the budget does.
+    deltalake too (its option "timeout", the only bound it takes): a table's read and a publish's commit failed
+    after 30 s, the commit as a lease's error (seen under a store SIGKILLed again and again: "operation timed
+    out")."""
+    from photon.logs.schemas import QUARANTINE, QUARANTINE_SCHEMA
+    from photon.logs.tables import OutputTable, append_rows
     from tests.integration.drop_proxy import DropProxy, put_create
 
     monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "4")
@@ -782,12 +787,30 @@ def test_a_store_that_stops_answering_without_a_reset_is_asked_again_within_the_
         direct.put(k, b"0123456789" * 100)
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
     get = lambda method, path, h: method == "GET"  # noqa: E731
+
+    def rows(b: int) -> pa.Table:
+        cols = {"pipeline": ["t"], "kind": ["clicks"], "file": ["f"], "line": [0], "raw": [b"x"], "raw_bytes": [1]}
+        return pa.table(cols | {"reason": ["r"], "decided_at_us": [b]}, schema=QUARANTINE_SCHEMA)
+
+    def batches(store: Store) -> list[int]:
+        return sorted(OutputTable.at(store, QUARANTINE).table().to_pyarrow_table()["decided_at_us"].to_pylist())
+
     acts = {
         "read": (get, lambda s: s.read("a/1")[0], b"0123456789" * 100),
         "ranges": (get, lambda s: s.get_ranges("a/2", [(0, 4), (500, 510)]), [b"0123", b"0123456789"]),
         "listing": (get, lambda s: [e.key for e in s.listing()], ["a/1", "a/2"]),
         "put": (lambda m, p, h: m == "PUT", lambda s: (s.put("b/1", b"x"), s.get("b/1"))[1], b"x"),
         "put-if-absent": (put_create(rf"/{bucket}/p/"), lambda s: s.put("c/1", b"mine", if_absent=True), True),
+        "table-read": (
+            lambda m, p, h: m == "GET" and "/_delta_log/" in p,
+            lambda s: (append_rows(direct.child("t"), QUARANTINE, rows(1), 1), batches(s.child("t")))[1],
+            [1],
+        ),
+        "table-commit": (
+            put_create(r"/u/quarantine/_delta_log/0+1\.json"),  # a table of its own: publishers' tables are cached
+            lambda s: (append_rows(s.child("u"), QUARANTINE, rows(2), 2), batches(direct.child("u")))[1],
+            [2],
+        ),
     }
     for name, (match, act, want) in acts.items():
         proxy = DropProxy(port, match, drops=1, hang=300)
