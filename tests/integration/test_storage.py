@@ -968,13 +968,16 @@ def _log_of(store: Store, kind: str, batches: set[int]) -> dict[str, Any]:
     """What a table's Delta log says of ``batches`` (the commits naming them, by txn version or data file), its
     checkpoints, and what is left staged: for a failure's message (a batch published once in CI was missing from
     the table, and the table was gone with the test)."""
-    log: dict[str, Any] = {"checkpoints": [], "commits": {}, "versions": 0, "staged": []}
+    log: dict[str, Any] = {"checkpoints": [], "commits": {}, "versions": 0, "gaps": [], "staged": []}
+    seen: list[int] = []
     for e in store.listing(f"{kind}/_delta_log"):
         name = e.key.rpartition("/")[2]
         if not name.endswith(".json"):
             log["checkpoints"].append(name)
             continue
         log["versions"] += 1
+        if name.removesuffix(".json").isdigit():
+            seen.append(int(name.removesuffix(".json")))
         for line in store.get(e.key).decode().splitlines():
             action = json.loads(line)
             txn = action.get("txn", {}).get("version")
@@ -982,6 +985,7 @@ def _log_of(store: Store, kind: str, batches: set[int]) -> dict[str, Any]:
             named = {b for b in batches if txn == b or f"b{b:010d}-" in path}
             if named:
                 log["commits"].setdefault(name, []).append(path or {"txn": txn})
+    log["gaps"] = sorted(set(range(max(seen, default=-1) + 1)) - set(seen))  # versions whose commit is gone
     log["staged"] = [e.key for e in store.listing("_staging")][:20]
     return log
 
