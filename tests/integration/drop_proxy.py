@@ -4,7 +4,9 @@ server's answer, then closes the client's connection without sending it: the req
 heard. With ``cut=True`` it sends the answer's head and half its body instead, then closes (a server killed while it
 answered); with ``hang=s`` it sends nothing and holds the connection open for s seconds (a peer gone without a
 reset: a network partition, a paused machine); with ``reset=True`` it resets the connection on reading the request,
-forwarding nothing (a server killed as the request reached it). ``DropProxy(upstream_port, match, drops=1).port``."""
+forwarding nothing (a server killed as the request reached it); with ``empty=True`` it answers a listing as if it
+held no object (a store whose listing misses what it acknowledged).
+``DropProxy(upstream_port, match, drops=1).port``."""
 
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ class DropProxy:
         cut: bool = False,
         hang: float = 0.0,
         reset: bool = False,
+        empty: bool = False,
     ):
         self.upstream_port = upstream_port
-        self.cut, self.hang, self.reset = cut, hang, reset
+        self.cut, self.hang, self.reset, self.empty = cut, hang, reset, empty
         self.match = match
         self.drops_left = drops
         self.dropped: list[str] = []
@@ -103,8 +106,12 @@ class DropProxy:
                 up.endheaders(body or None)
                 r = up.getresponse()
                 data = r.read()
-                how = "cut" if self.cut else "held" if self.hang else "dropped"
+                how = "cut" if self.cut else "held" if self.hang else "emptied" if self.empty else "dropped"
                 drop = not self.reset and self._take(method, path, hd, f"{r.status} (answer {how})")
+                if drop and self.empty:  # the listing's objects and folders left out, the answer sent
+                    data = re.sub(rb"<(Contents|CommonPrefixes)>.*?</\1>", b"", data, flags=re.S)
+                    data = re.sub(rb"<KeyCount>\d+</KeyCount>", b"<KeyCount>0</KeyCount>", data)
+                    drop = False
                 if drop and self.hang:
                     time.sleep(self.hang)  # not a byte, no reset: the client has only its own timeouts
                     return

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -890,6 +891,42 @@ def test_a_publish_with_the_store_gone_past_the_budget_fails_in_one_storage_erro
     with pytest.raises(StorageError, match=f"{prefix}/quarantine: "):
         append_rows(via, QUARANTINE, pa.table(rows, schema=QUARANTINE_SCHEMA), 2)
     assert proxy.dropped
+
+
+def test_a_publish_whose_stage_lists_short_never_publishes_less(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the test below, in two full runs of two: a stage listed empty just after its adds record was put
+    (acknowledged), the S3 server SIGKILLed around it; the publish took it for "nothing staged", committed nothing and
+    removed the stage: the batch lost. A publish told what its tasks staged (``append_rows``; a lease, from its
+    tasks' counts) lists the stage again until it holds that much, and fails in one line when it never does, the table
+    unchanged. A proxy answers the stage's listing as if it held nothing: once, then every time."""
+    from photon.logs.schemas import QUARANTINE, QUARANTINE_SCHEMA
+    from photon.logs.tables import OutputTable, StageShortError, append_rows
+    from tests.integration.drop_proxy import DropProxy
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "3")
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    adds = lambda method, path, h: method == "GET" and "_adds" in urllib.parse.unquote(path)  # noqa: E731
+
+    def rows(b: int) -> pa.Table:
+        cols = {"pipeline": ["t"], "kind": ["clicks"], "file": ["f"], "line": [0], "raw": [b"x"], "raw_bytes": [1]}
+        return pa.table(cols | {"reason": ["r"], "decided_at_us": [b]}, schema=QUARANTINE_SCHEMA)
+
+    def batches() -> list[int]:
+        table = OutputTable.at(open_store(f"s3://{bucket}/out/t"), QUARANTINE).table()
+        return sorted(table.to_pyarrow_table()["decided_at_us"].to_pylist())
+
+    for b, drops in ((1, 1), (2, 10_000)):
+        proxy = DropProxy(port, adds, drops=drops, empty=True)
+        via = S3Store(f"s3://{bucket}/out/t", {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        if b == 1:
+            append_rows(via, QUARANTINE, rows(b), b)
+        else:
+            with pytest.raises(StageShortError, match="the stage lists 0 quarantine rows of the 1 its tasks staged"):
+                append_rows(via, QUARANTINE, rows(b), b)
+        assert proxy.dropped, b
+    assert batches() == [1]
 
 
 def test_publishers_and_listers_ride_a_store_sigkilled_again_and_again(

@@ -32,7 +32,7 @@ from photon.joiner.tasks import (
     read_markers,
 )
 from photon.logs.parse import BAD_FIELDS
-from photon.logs.schemas import JOINED, QUARANTINE
+from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
 from photon.logs.tables import stage_rows, staged_rows
 from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
@@ -278,7 +278,8 @@ class BatchRunner:
             log.info("%s batch %d: %d file(s) still being written, left for later", self.pipeline, k, len(skipped))
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
-        self.publish(k, lease.epoch, k - lease.last_batch)
+        # Never fewer rows than the tasks staged (a store's listing may miss some just after it restarted)
+        self.publish(k, lease.epoch, k - lease.last_batch, {JOINED: counts["joined"], UNJOINABLE: counts["unjoinable"]})
         self.discovery.committed(files, markers.read, changed, marks)  # consumed; behind the marks: forgotten
         self.retry_key = f"retries/{t.tag}"
         self.last_batch = k
@@ -299,14 +300,14 @@ class BatchRunner:
                 stage_rows(self.root, QUARANTINE, stage, f"{tag}-changed-{kind}", records, batch)
         return n
 
-    def publish(self, k: int, epoch: int, lease_batch: int = 0) -> None:
+    def publish(self, k: int, epoch: int, lease_batch: int = 0, expect: dict[str, int] | None = None) -> None:
         """Batch ``k`` of lease ``epoch``, committed: its files committed to the tables, then marked published."""
 
         def crash_point(kind: str) -> None:  # the joined table holds the batch, the others not yet
             if kind == JOINED:
                 _maybe_crash("after_table_commit", k, lease_batch)
 
-        publish_files(self.root, self.pipeline, k, epoch, crash_point)
+        publish_files(self.root, self.pipeline, k, epoch, crash_point, expect)
         self.state.mark_published(k)
 
 

@@ -5,7 +5,7 @@ start for a batch committed but not yet published, and by the verifier rolling a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from photon.joiner.common import batch_tag
@@ -22,16 +22,21 @@ def stage_key(batch: int, epoch: int) -> str:
 
 
 def publish_files(
-    root: Path | Store, pipeline: str, batch: int, epoch: int, committed: Callable[[str], None] | None = None
+    root: Path | Store,
+    pipeline: str,
+    batch: int,
+    epoch: int,
+    committed: Callable[[str], None] | None = None,
+    expect: Mapping[str, int] | None = None,
 ) -> dict[str, str]:
     """Publish batch ``batch`` of lease ``epoch`` from its stage (``<root>/_staging/<tag>``; ``root`` a folder or a
     store). Idempotent, and safe beside another process publishing the same batch (a lease start, the verifier
     rolling a dead pipeline's batch forward): a table already holding the batch commits nothing again, and each index
     file is moved whole, once; whoever comes second finds it gone. Returns what each table did (``publish_batch``,
-    which calls ``committed``)."""
+    which calls ``committed``; ``expect``: the rows per kind its tasks staged, when the publisher knows them)."""
     store = as_store(root)
     stage = stage_key(batch, epoch)
-    done = publish_batch(store, pipeline, batch, stage, committed)
+    done = publish_batch(store, pipeline, batch, stage, committed, expect)
     src = f"{stage}/eventstore"
     for e in list(store.listing(src)):
         if e.key.endswith(INDEX_FILES):  # durable in place before the batch is marked published (Store.move)

@@ -22,7 +22,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -288,19 +288,49 @@ def published_batch(root: Path | Store, kind: str) -> int | None:
     return _delta(store, kind).transaction_version(app_id(store.url.rstrip("/").rpartition("/")[2]))
 
 
+class StageShortError(StorageError):
+    """A batch's stage lists fewer rows of a kind than its tasks reported staging: never published so."""
+
+
+def _staged(store: Store, stage: str, expect: Mapping[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """The stage's adds, listed until they hold at least the rows ``expect`` names per kind (within the storage retry
+    budget; then ``StageShortError``). Found under a store SIGKILLed again and again: a stage listed empty just after
+    its adds record was put (acknowledged), and the publish took it for "nothing staged" and lost the batch."""
+
+    def listed() -> dict[str, list[dict[str, Any]]]:
+        adds = staged_adds(store, stage)
+        for kind, want in expect.items():
+            have = sum(json.loads(a["stats"])["numRecords"] for a in adds.get(kind, []))
+            if have < want:
+                raise StageShortError(
+                    f"{store.location(stage)}: the stage lists {have} {kind} rows of the {want} its tasks staged (the"
+                    " store's listing is missing some): not published; the batch is published again later"
+                )
+        return adds
+
+    return again(listed, lambda exc: isinstance(exc, StageShortError))
+
+
 def publish_batch(
-    root: Path | Store, pipeline: str, batch: int, stage: str, committed: Callable[[str], None] | None = None
+    root: Path | Store,
+    pipeline: str,
+    batch: int,
+    stage: str,
+    committed: Callable[[str], None] | None = None,
+    expect: Mapping[str, int] | None = None,
 ) -> dict[str, str]:
     """Commit batch ``batch``'s staged data files (their adds under ``stage``, a key of ``root``) to the pipeline's
     tables, one Delta commit per table carrying ``txn(photon/<pipeline>, batch)``. Idempotent and safe beside other
     publishers of the same batch. Per kind: "committed", "already" (the table holds the batch or a later one) or
-    "none" (nothing staged). ``committed(kind)`` is called after each commit (the tests' crash points)."""
+    "none" (nothing staged). ``committed(kind)`` is called after each commit (the tests' crash points). ``expect``:
+    the rows per kind the caller knows were staged (its tasks' counts): fewer listed is ``StageShortError``, never a
+    publish of less."""
     from deltalake import CommitProperties, Transaction
     from deltalake.exceptions import CommitFailedError
     from deltalake.transaction import AddAction, RemoveAction
 
     store = as_store(root)
-    adds = staged_adds(store, stage)
+    adds = _staged(store, stage, expect) if expect else staged_adds(store, stage)
     done: dict[str, str] = {}
     for kind in (JOINED, UNJOINABLE, QUARANTINE):
         _publisher_table(store, kind)  # every kind's table made at the first publish, with or without rows
@@ -350,8 +380,8 @@ def append_rows(root: Path | Store, kind: str, rows: pa.Table, batch: int) -> No
     (data files, then one commit under the batch's txn): for benchmarks and tools that make output without Spark."""
     store = as_store(root)
     stage = f"_staging/append-{new_name(kind)}"
-    stage_rows(store, kind, stage, f"b{batch:010d}-{kind}", rows, batch)
-    publish_batch(store, store.url.rstrip("/").rpartition("/")[2], batch, stage)
+    staged = stage_rows(store, kind, stage, f"b{batch:010d}-{kind}", rows, batch)
+    publish_batch(store, store.url.rstrip("/").rpartition("/")[2], batch, stage, expect={kind: staged})
     store.remove_all(stage)
 
 
