@@ -141,7 +141,12 @@ def staged_adds(root: Path | Store, stage: str) -> dict[str, list[dict[str, Any]
 
 def staged_rows(root: Path | Store, stage: str, kind: str) -> int:
     """Rows of ``kind`` a batch's tasks staged (from their records: no data file is read)."""
-    return sum(json.loads(a["stats"])["numRecords"] for a in staged_adds(root, stage).get(kind, []))
+    return _rows_of(staged_adds(root, stage).get(kind, []))
+
+
+def _rows_of(adds: list[dict[str, Any]]) -> int:
+    """Rows in the data files of these add records (their statistics')."""
+    return sum(json.loads(a["stats"])["numRecords"] for a in adds)
 
 
 # -- Publishing: the driver, after the fenced registry commit ---------------------------------------------------
@@ -300,7 +305,7 @@ def _staged(store: Store, stage: str, expect: Mapping[str, int]) -> dict[str, li
     def listed() -> dict[str, list[dict[str, Any]]]:
         adds = staged_adds(store, stage)
         for kind, want in expect.items():
-            have = sum(json.loads(a["stats"])["numRecords"] for a in adds.get(kind, []))
+            have = _rows_of(adds.get(kind, []))
             if have < want:
                 raise StageShortError(
                     f"{store.location(stage)}: the stage lists {have} {kind} rows of the {want} its tasks staged (the"
