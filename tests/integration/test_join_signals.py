@@ -29,9 +29,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def join(
-    tmp_path: Path, dsn: str, *args: str, crash_at: str | None = None, group: bool = False
+    tmp_path: Path,
+    dsn: str,
+    *args: str,
+    crash_at: str | None = None,
+    group: bool = False,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}"}
+    env = {**os.environ, "PHOTON_REGISTRY_DSN": dsn, "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}", **(env or {})}
     env.pop("PHOTON_CRASH_AT", None)
     if crash_at:
         env["PHOTON_CRASH_AT"] = crash_at
@@ -49,12 +54,17 @@ def lease_holder(dsn: str) -> tuple[str | None, int]:
     return holder, int(last)
 
 
-def five_seconds_of_logs(dsn: str, tmp_path: Path) -> None:
+def five_seconds_of_logs(dsn: str, tmp_path: Path, malformed_fraction: float = 0.001) -> None:
     """A registry of two shards, and 5 s of dc-a's logs a minute old (about 1,500 events): a batch or two."""
     init_registry({"main": dsn}, num_shards=2)
     now = int(time.time() * US)
     settings = GeneratorSettings(
-        events_per_s=300, dcs=("dc-a",), max_join_delay_s=30, late_query_file_fraction=0.0, late_click_fraction=0.0
+        events_per_s=300,
+        dcs=("dc-a",),
+        max_join_delay_s=30,
+        late_query_file_fraction=0.0,
+        late_click_fraction=0.0,
+        malformed_fraction=malformed_fraction,
     )
     generate(settings, tmp_path / "logs", start_us=now - 60 * US, end_us=now - 55 * US)
 

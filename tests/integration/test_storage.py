@@ -929,6 +929,57 @@ def test_a_publish_whose_stage_lists_short_never_publishes_less(
     assert batches() == [1]
 
 
+def test_a_publish_told_what_was_staged_finds_a_batch_already_published_and_its_stage_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publisher that died after its tables took the batch and its stage was removed, before the batch was marked
+    published: the next publish (a lease start, the verifier), told the rows the batch committed, finds the stage
+    empty and the table holding the batch: "already", nothing committed again; a batch the table lacks is refused."""
+    from photon.logs.schemas import QUARANTINE, QUARANTINE_SCHEMA
+    from photon.logs.tables import OutputTable, StageShortError, append_rows, publish_batch
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "1")
+    root = LocalStore(tmp_path / "out" / "t")
+    cols = {"pipeline": ["t"], "kind": ["clicks"], "file": ["f"], "line": [0], "raw": [b"x"], "raw_bytes": [1]}
+    append_rows(root, QUARANTINE, pa.table(cols | {"reason": ["r"], "decided_at_us": [1]}, schema=QUARANTINE_SCHEMA), 1)
+    assert publish_batch(root, "t", 1, "_staging/gone", expect={QUARANTINE: 1})[QUARANTINE] == "already"
+    with pytest.raises(StageShortError, match="the stage lists 0 quarantine rows of the 1 its tasks staged"):
+        publish_batch(root, "t", 2, "_staging/gone", expect={QUARANTINE: 1})
+    assert OutputTable.at(root, QUARANTINE).table().to_pyarrow_table()["batch"].to_pylist() == [1]
+
+
+def test_a_batch_never_takes_a_log_file_for_read_without_its_tasks_marker(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage-1 task says in a marker which log files it read and which it left for later; the driver commits the
+    batch's files as consumed from them. A marker the stage's listing misses (as the adds' listing missed one under a
+    store SIGKILLed again and again) would have a file left for later, or its size as read, taken for nothing: the
+    markers are listed again until every log file of the batch is named, else the batch fails in one line."""
+    from photon.joiner.tasks import MarkersMissingError, _write_read_marker, read_markers
+    from tests.integration.drop_proxy import DropProxy
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "2")
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    store = S3Store(f"s3://{bucket}/out/t")
+    _write_read_marker(store, "st", "t0", [["clicks", "p/b.jsonl"]], {"queries/p/a.jsonl": [5, "e", None]}, 3, 2)
+    _write_read_marker(store, "st", "t1", [], {"clicks/p/c.jsonl": [7, "f", None]}, 0, 1)
+    logs = [("queries", "p/a.jsonl"), ("clicks", "p/b.jsonl"), ("clicks", "p/c.jsonl")]
+    marked = lambda method, path, h: method == "GET" and "_read" in urllib.parse.unquote(path)  # noqa: E731
+    for drops in (1, 10_000):
+        proxy = DropProxy(port, marked, drops=drops, empty=True)
+        via = S3Store(store.url, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        if drops == 1:
+            found = read_markers(via, "st", logs)
+            assert (found.skipped, found.indexed, found.quarantined) == ({("clicks", "p/b.jsonl")}, 3, 3)
+            assert found.read == {("queries", "p/a.jsonl"): (5, "e", None), ("clicks", "p/c.jsonl"): (7, "f", None)}
+        else:
+            with pytest.raises(MarkersMissingError, match=r"names clicks/p/b.jsonl or 2 more file\(s\) of the batch"):
+                read_markers(via, "st", logs)
+        assert proxy.dropped, drops
+    with pytest.raises(MarkersMissingError, match=r"no task's read marker names clicks/p/d.jsonl of the batch"):
+        read_markers(store, "st", [*logs, ("clicks", "p/d.jsonl")])
+
+
 def test_publishers_and_listers_ride_a_store_sigkilled_again_and_again(
     s3_server: storage_server.Server, bucket: str
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from deltalake import DeltaTable
 
 from photon.logs.schemas import UNJOINABLE_SCHEMA
 from photon.logs.tables import OutputTableError, ensure_tables, stage_rows
+from photon.pg import autocommit
 from photon.registry.admin import init_registry, status
 from tests.integration.test_join_signals import ROOT, five_seconds_of_logs, join, lease_holder
 
@@ -103,11 +105,17 @@ def test_three_processes_publishing_the_same_batches_at_once_commit_each_once(tm
     assert DeltaTable(str(root / "unjoinable")).to_pyarrow_table(columns=["click_id"]).num_rows == batches * 50
 
 
+def _published(dsn: str, batch: int) -> bool:
+    with autocommit(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT published FROM photon.batches WHERE pipeline = 'dc-a' AND batch_seq = %s", (batch,))
+        return bool(cur.fetchone()[0])
+
+
 def test_a_batch_committed_but_not_published_is_published_once_by_two_leases_and_the_verifier_at_once(
     tmp_path: Path, make_db: Callable[[], str], login_as: Callable[[str, str], str]
 ) -> None:
     dsn = make_db()
-    five_seconds_of_logs(dsn, tmp_path)
+    five_seconds_of_logs(dsn, tmp_path, malformed_fraction=0.02)  # some 30 quarantine rows in batch 1
     joiner = login_as(dsn, "photon_joiner")
     # The driver dies between the registry commit of batch 1 and its table commit.
     p = join(tmp_path, joiner, "--run-for", "120", crash_at="after_commit@1")
@@ -117,7 +125,6 @@ def test_a_batch_committed_but_not_published_is_published_once_by_two_leases_and
     staged = list((tmp_path / "out" / "dc-a" / "joined").rglob("*.parquet"))
     assert staged and DeltaTable(str(tmp_path / "out" / "dc-a" / "joined")).version() == 0  # written, not committed
 
-    # Two lease processes and the verifier at once: each may roll batch 1 forward.
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT / 'plugins'}:{ROOT}",
@@ -134,6 +141,28 @@ def test_a_batch_committed_but_not_published_is_published_once_by_two_leases_and
         "--out",
         str(tmp_path / "out"),
     ]
+
+    # A stage that lists short of what batch 1 committed (an object store's listing missing the quarantine rows'
+    # adds record, as one missed a stage's under a store SIGKILLed again and again): neither a lease start nor the
+    # verifier publishes the batch without them; each fails in one line and leaves it unpublished.
+    (aside,) = (tmp_path / "out" / "dc-a" / "_staging").glob("*/_adds/quarantine-*.json")
+    held = aside.read_bytes()
+    aside.unlink()
+    short = {**env, "PHOTON_STORAGE_RETRY_S": "2"}
+    checked = subprocess.run([*verify, "--grace", "0"], env=short, cwd=ROOT, capture_output=True, text=True)
+    lease = join(tmp_path, joiner, "--until-caught-up", env={"PHOTON_STORAGE_RETRY_S": "2"})
+    started = lease.communicate(timeout=300)[0]
+    for what, rc, said in (
+        ("verify", checked.returncode, checked.stdout + checked.stderr),
+        ("join", lease.returncode, started),
+    ):
+        assert rc == 2 and re.search(r"the stage lists 0 quarantine rows of the [1-9]\d* its tasks", said), (what, said)
+        assert "Traceback" not in said, (what, said)
+    assert not _published(dsn, 1)
+    assert DeltaTable(str(tmp_path / "out" / "dc-a" / "quarantine")).version() == 0
+    aside.write_bytes(held)
+
+    # Two lease processes and the verifier at once: each may roll batch 1 forward.
     procs = [join(tmp_path, joiner, "--until-caught-up", "--drain") for _ in range(2)]
     procs.append(subprocess.Popen([*verify, "--grace", "0"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True))
     outs = [q.communicate(timeout=300)[0] for q in procs]
@@ -147,6 +176,10 @@ def test_a_batch_committed_but_not_published_is_published_once_by_two_leases_and
     assert Counter(_commits_per_batch(joined).values()) == {1: len(_commits_per_batch(joined))}
     assert 1 in _commits_per_batch(joined)
     assert len(ids) <= registered
+    assert _published(dsn, 1)
+    quarantined = DeltaTable(str(tmp_path / "out" / "dc-a" / "quarantine")).to_pyarrow_table(columns=["batch"])
+    held_rows = sum(json.loads(f["stats"])["numRecords"] for f in json.loads(held)["files"])
+    assert quarantined["batch"].to_pylist().count(1) == held_rows > 0
 
 
 def test_an_out_holding_an_old_folder_layout_or_another_table_is_refused_in_one_line(

@@ -33,7 +33,7 @@ from photon.joiner.tasks import (
 )
 from photon.logs.parse import BAD_FIELDS
 from photon.logs.schemas import JOINED, QUARANTINE, UNJOINABLE
-from photon.logs.tables import stage_rows, staged_rows
+from photon.logs.tables import stage_rows
 from photon.pg import failover_s as default_failover_s
 from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
@@ -256,20 +256,20 @@ class BatchRunner:
                 shipped += int(r["shipped"])
                 latencies.extend(r["latencies_s"] or [])
         t_job = time.time()
-        markers = read_markers(self.root, stage)
+        logs = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
+        markers = read_markers(self.root, stage, logs)  # every log file accounted for, read or left for later
         skipped = markers.skipped
         changed = self._quarantine_changed(stage, tag, now, k)
         _maybe_crash("after_register", k, k - lease.last_batch)
         metrics.update(counts)
         metrics["queries"] = markers.indexed
-        metrics["quarantined"] = staged_rows(self.root, stage, QUARANTINE)
+        metrics["quarantined"] = markers.quarantined + changed  # as staged, counted by the tasks, not a listing
         q = np.quantile(np.asarray(latencies), [0.5, 0.9, 0.99]).tolist() if latencies else [None] * 3
         metrics.update({"latency_p50_s": q[0], "latency_p90_s": q[1], "latency_p99_s": q[2]})
         metrics["duration_s"] = time.time() - t_start
 
         # 7. commit (fenced, in order, with the consumed files and the metrics), then publish.
-        files = [("queries", n) for n in q_files] + [("clicks", n) for n in c_files]
-        files = [f for f in files if f not in skipped]  # still being written: listed and read again later
+        files = [f for f in logs if f not in skipped]  # still being written: listed and read again later
         _maybe_crash("before_commit", k, k - lease.last_batch)
         # The commit also acknowledges the newest shard configuration, planned ones included: a reshard waits for it.
         # (The executors' registries follow a new layout when a shard's server refuses their old one.)
@@ -279,7 +279,8 @@ class BatchRunner:
         self.state.commit(lease, k, files, metrics, marks=marks)
         _maybe_crash("after_commit", k, k - lease.last_batch)
         # Never fewer rows than the tasks staged (a store's listing may miss some just after it restarted)
-        self.publish(k, lease.epoch, k - lease.last_batch, {JOINED: counts["joined"], UNJOINABLE: counts["unjoinable"]})
+        expect = {JOINED: counts["joined"], UNJOINABLE: counts["unjoinable"], QUARANTINE: metrics["quarantined"]}
+        self.publish(k, lease.epoch, k - lease.last_batch, expect)
         self.discovery.committed(files, markers.read, changed, marks)  # consumed; behind the marks: forgotten
         self.retry_key = f"retries/{t.tag}"
         self.last_batch = k

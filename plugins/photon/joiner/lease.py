@@ -128,10 +128,11 @@ class Joiner:
         self.lease = lease
         # Which logs this output came from (the auditor reads it)
         self.root.put("_pipeline.json", (json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n").encode())
-        committed = {(b, e): published for b, e, published in self.state.open_batches()}
-        for (b, e), published in sorted(committed.items()):
+        open_batches = self.state.open_batches()
+        committed = {(b, e): published for b, e, published, _ in open_batches}
+        for b, e, published, rows in open_batches:
             if not published:
-                self.batches.publish(b, e)
+                self.batches.publish(b, e, expect=rows)  # never fewer rows than its tasks staged
                 self.state.heartbeat(lease)  # alive while it publishes: a standby must not take it for dead
         self._sweep(lease, {batch_tag(*max(committed))} if committed else set())
         now = self.clock.now_us()

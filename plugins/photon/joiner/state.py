@@ -28,6 +28,7 @@ from psycopg2.extras import execute_values
 
 from photon.joiner.common import BEGINNING, NOW, Start
 from photon.logs.layout import part_of_name
+from photon.logs.schemas import OUTPUT_KINDS
 from photon.pg import across_failover, autocommit, connect, sync_barrier
 from photon.registry.owners import Token
 
@@ -205,20 +206,26 @@ class PipelineState:
             row = cur.fetchone()
         return {"queries": row[0], "clicks": row[1]} if row else {"queries": None, "clicks": None}
 
-    def open_batches(self) -> list[tuple[int, int, bool]]:
-        """(batch_seq, epoch, published) of the batches a lease start needs: the unpublished ones and the last one
-        (whose retry set the next batch reads). Bounded, however many batches the pipeline has committed."""
+    def open_batches(self) -> list[tuple[int, int, bool, dict[str, int]]]:
+        """(batch_seq, epoch, published, rows per output kind it committed) of the batches a lease start needs: the
+        unpublished ones and the last one (whose retry set the next batch reads). Bounded, however many batches the
+        pipeline has committed. The rows are the tasks' counts, committed with the batch: what a publish of it must
+        find staged (``publish_files``' ``expect``)."""
         return across_failover(self._open_batches)  # a read
 
-    def _open_batches(self) -> list[tuple[int, int, bool]]:
+    def _open_batches(self) -> list[tuple[int, int, bool, dict[str, int]]]:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
-                "SELECT b.batch_seq, b.epoch, b.published FROM photon.batches b JOIN photon.pipelines p"
-                " ON p.pipeline = b.pipeline WHERE b.pipeline = %s AND (NOT b.published OR b.batch_seq = p.last_batch)"
-                " ORDER BY 1",
+                "SELECT b.batch_seq, b.epoch, b.published, m.joined, m.unjoinable, m.quarantined"
+                " FROM photon.batches b JOIN photon.pipelines p ON p.pipeline = b.pipeline"
+                " LEFT JOIN photon.batch_metrics m ON m.pipeline = b.pipeline AND m.batch_seq = b.batch_seq"
+                " WHERE b.pipeline = %s AND (NOT b.published OR b.batch_seq = p.last_batch) ORDER BY 1",
                 (self.pipeline,),
             )
-            return [(int(b), int(e), bool(p)) for b, e, p in cur.fetchall()]
+            return [
+                (int(b), int(e), bool(p), {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n})
+                for b, e, p, *rows in cur.fetchall()
+            ]
 
     def batches(self) -> list[tuple[int, int, bool]]:
         """(batch_seq, epoch, published) of every committed batch."""

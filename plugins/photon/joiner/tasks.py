@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from photon.logs.schemas import (
 from photon.logs.tables import parquet_bytes, stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
-from photon.storage import ChangingError, Entry, Store, as_store, cached_store, in_flight, locate
+from photon.storage import ChangingError, Entry, StorageError, Store, again, as_store, cached_store, in_flight, locate
 
 log = logging.getLogger(__name__)
 
@@ -353,11 +353,18 @@ def read_whole(
 
 
 def _write_read_marker(
-    root: Store, stage: str, name: str, skipped: list[list[str]], read: dict[str, list[Any]], indexed: int
+    root: Store,
+    stage: str,
+    name: str,
+    skipped: list[list[str]],
+    read: dict[str, list[Any]],
+    indexed: int,
+    quarantined: int,
 ) -> None:
     """What one stage-1 task tells the driver: files it left for a later batch, each file's (size, tag, inode) as
-    read, and how many queries it indexed. A retried task's marker replaces its failed attempt's whole."""
-    marker = {"skipped": skipped, "read": read, "indexed": indexed}
+    read, how many queries it indexed and how many rows it quarantined. A retried task's marker replaces its failed
+    attempt's whole."""
+    marker = {"skipped": skipped, "read": read, "indexed": indexed, "quarantined": quarantined}
     root.put(f"{stage}/{READ_MARKERS}/{name}.json", json.dumps(marker).encode())
 
 
@@ -368,19 +375,42 @@ class ReadMarkers:
     skipped: set[tuple[str, str]]  # (kind, file) left for a later batch
     read: dict[tuple[str, str], tuple[Any, ...]]  # (kind, file): (size, tag, inode) as read
     indexed: int  # queries indexed in the batch's staged EventStore (counted by its writers: never read back)
+    quarantined: int  # rows of malformed lines the tasks staged for the quarantine table
 
 
-def read_markers(root: Path | Store, stage: str) -> ReadMarkers:
+class MarkersMissingError(StorageError):
+    """A batch's log files that no task's read marker accounts for: the batch is never committed so."""
+
+
+def read_markers(root: Path | Store, stage: str, files: Iterable[tuple[str, str]] = ()) -> ReadMarkers:
+    """The read markers of a batch's tasks. Every one of the batch's log ``files`` (kind, name) was either read or
+    left by some task, which said so in its marker: the stage is listed again while a file is missing (a store's
+    listing may miss an object just put, as its adds' did under a store SIGKILLed again and again), within the storage
+    retry budget; then ``MarkersMissingError``. A file taken as read without a marker would be consumed unread."""
     store = as_store(root)
-    found = ReadMarkers(set(), {}, 0)
-    for e in store.files(f"{stage}/{READ_MARKERS}"):
-        if not e.key.endswith(".json"):
-            continue
-        marker = json.loads(store.get(e.key))
-        found.skipped.update((k, n) for k, n in marker["skipped"])
-        found.read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
-        found.indexed += int(marker.get("indexed", 0))
-    return found
+    want = set(files)
+
+    def found() -> ReadMarkers:
+        markers = ReadMarkers(set(), {}, 0, 0)
+        for e in store.files(f"{stage}/{READ_MARKERS}"):
+            if not e.key.endswith(".json"):
+                continue
+            marker = json.loads(store.get(e.key))
+            markers.skipped.update((k, n) for k, n in marker["skipped"])
+            markers.read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
+            markers.indexed += int(marker.get("indexed", 0))
+            markers.quarantined += int(marker.get("quarantined", 0))
+        missing = want - markers.skipped - markers.read.keys()
+        if missing:
+            (kind, name), more = min(missing), len(missing) - 1
+            raise MarkersMissingError(
+                f"{store.location(stage)}: no task's read marker names {kind}/{name}"
+                f"{f' or {more} more file(s)' if more else ''} of the batch (the store's listing is missing some):"
+                " the batch is not committed; it runs again"
+            )
+        return markers
+
+    return again(found, lambda exc: isinstance(exc, MarkersMissingError))
 
 
 def _read_files(
@@ -527,15 +557,15 @@ def _source_task(
                     CANDIDATE,
                 )
                 yield from _shuffled(candidates, wanted).to_batches()
-        indexed = 0
+        indexed = quarantined_rows = 0
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
             index = pa.concat_tables(stored)
             write_index(index, root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
             indexed = index.num_rows
         if quarantined:  # named as the marker: unique in the batch, and the same again for a retried task
-            stage_rows(root, QUARANTINE, stage, marker_name, pa.concat_tables(quarantined), t.batch)
+            quarantined_rows = stage_rows(root, QUARANTINE, stage, marker_name, pa.concat_tables(quarantined), t.batch)
         if read or skipped:
-            _write_read_marker(root, stage, marker_name, skipped, read, indexed)
+            _write_read_marker(root, stage, marker_name, skipped, read, indexed, quarantined_rows)
 
     return run
 

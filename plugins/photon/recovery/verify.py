@@ -60,7 +60,7 @@ from photon.logs import tables
 from photon.logs.ids import EventKeys, format_id
 from photon.logs.layout import INPROGRESS, data_center_of, list_closed, partition_of
 from photon.logs.parse import parse_file
-from photon.logs.schemas import JOINED
+from photon.logs.schemas import JOINED, OUTPUT_KINDS
 from photon.pg import across_failover, autocommit, connect, is_server_lost, sync_barrier
 from photon.registry.admin import server_clock_us
 from photon.registry.client import MAIN, read_layout
@@ -121,6 +121,7 @@ class _Batch:
     epoch: int
     published: bool
     joined: int | None  # rows the batch wrote to joined/, from its committed metrics
+    rows: dict[str, int] = field(default_factory=dict)  # rows per output kind, from its committed metrics
 
 
 @dataclass
@@ -144,13 +145,17 @@ def _read_state(cur: Any) -> _State:
     )
     pipes = {str(p): _Pipeline(str(p), int(e), int(b), int(o), float(i or 0)) for p, e, b, o, i in cur.fetchall()}
     cur.execute(
-        "SELECT b.pipeline, b.batch_seq, b.owner_id, b.epoch, b.published, m.joined FROM photon.batches b"
+        "SELECT b.pipeline, b.batch_seq, b.owner_id, b.epoch, b.published, m.joined, m.unjoinable, m.quarantined"
+        " FROM photon.batches b"
         " LEFT JOIN photon.batch_metrics m ON m.pipeline = b.pipeline AND m.batch_seq = b.batch_seq"
     )
     batches = {
-        (str(p), int(s)): _Batch(int(o), int(e), bool(pub), None if j is None else int(j))
-        for p, s, o, e, pub, j in cur.fetchall()
-    }
+        (str(p), int(s)): _Batch(
+            int(o), int(e), bool(pub), None if rows[0] is None else int(rows[0]),
+            {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n},
+        )
+        for p, s, o, e, pub, *rows in cur.fetchall()
+    }  # fmt: skip
     return _State(owners, retired, pipes, batches)
 
 
@@ -289,7 +294,7 @@ def _verify_pass(servers: Mapping[str, str], out: Store, logs: Store, grace_s: f
         for name, batch in to_roll:
             rolled = state.batches[(name, batch)]
             if not dry_run:
-                publish_files(folders[name], name, batch, rolled.epoch)
+                publish_files(folders[name], name, batch, rolled.epoch, expect=rolled.rows)  # never fewer rows
                 _batch_files(folders[name], name, batch, rolled, changed=True)  # all of it is in place now
                 lcur.execute(
                     "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
@@ -387,7 +392,7 @@ def _check_staged(folder: Store, name: str, batch: int, b: _Batch) -> None:
         where = ds.field(tables.BATCH) == batch
         found = tables.OutputTable.at(folder, JOINED).dataset().count_rows(filter=where)
     else:
-        found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED)
+        found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED, at_least=b.joined or 0)
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
