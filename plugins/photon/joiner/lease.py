@@ -130,10 +130,12 @@ class Joiner:
         self.root.put("_pipeline.json", (json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n").encode())
         open_batches = self.state.open_batches()
         committed = {(b, e): published for b, e, published, _ in open_batches}
-        for b, e, published, rows in open_batches:
-            if not published:
-                self.batches.publish(b, e, expect=rows)  # never fewer rows than its tasks staged
-                self.state.heartbeat(lease)  # alive while it publishes: a standby must not take it for dead
+        # Alive while it publishes (a stage listed short is listed again for up to PHOTON_STORAGE_RETRY_S per kind):
+        # a standby must not take it for dead after 15 s and fence it.
+        with self.state.heartbeating(lease, self.s.heartbeat_s):
+            for b, e, published, rows in open_batches:
+                if not published:
+                    self.batches.publish(b, e, expect=rows)  # never fewer rows than its tasks staged
         self._sweep(lease, {batch_tag(*max(committed))} if committed else set())
         now = self.clock.now_us()
         marks = self.state.marks() if committed else self.discovery.first_marks(lease.start_us, now)

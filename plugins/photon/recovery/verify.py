@@ -387,12 +387,19 @@ def _pass_lock(dsn: str) -> Iterator[Any]:
 def _check_staged(folder: Store, name: str, batch: int, b: _Batch) -> None:
     """A committed, unpublished batch about to be rolled forward: its joined rows, staged or already in the table
     (a joiner that died while publishing), must be the rows it committed."""
-    have = tables.published_batch(folder, JOINED)
-    if have is not None and have >= batch:
+
+    def in_table() -> int | None:
+        have = tables.published_batch(folder, JOINED)
+        if have is None or have < batch:
+            return None
         where = ds.field(tables.BATCH) == batch
-        found = tables.OutputTable.at(folder, JOINED).dataset().count_rows(filter=where)
-    else:
+        return int(tables.OutputTable.at(folder, JOINED).dataset().count_rows(filter=where))
+
+    found = in_table()
+    if found is None:
         found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED, at_least=b.joined or 0)
+        if found != b.joined:  # a lease start may have published it meanwhile, and removed its stage
+            found = in_table() or found
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
