@@ -980,6 +980,97 @@ def test_a_batch_never_takes_a_log_file_for_read_without_its_tasks_marker(
         read_markers(store, "st", [*logs, ("clicks", "p/d.jsonl")])
 
 
+def test_a_batch_s_index_files_are_published_by_the_names_its_tasks_gave_not_by_a_listing(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's EventStore index files, staged by its tasks, move into the pipeline's state when it is published; a
+    listing of the stage that missed one (as the adds' listing missed one under a store SIGKILLed again and again)
+    left it behind, and the stage's removal then deleted it: its queries lost to every later lookup. They are moved
+    by the names the tasks gave in their read markers: the lease's from its markers, a lease start's or the
+    verifier's from the markers that name the queries the batch committed. A proxy answers every listing of the
+    stage's index folder as if it held nothing."""
+    from photon.joiner.eventstore import write_index
+    from photon.joiner.publish import IndexMissingError, publish_files, stage_key
+    from photon.joiner.tasks import _write_read_marker
+    from tests.integration.drop_proxy import DropProxy
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "1")
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    indexed = lambda method, path, h: method == "GET" and "eventstore" in urllib.parse.unquote(path)  # noqa: E731
+    proxy = DropProxy(port, indexed, drops=10_000, empty=True)
+    direct = S3Store(f"s3://{bucket}/out/t")
+    via = S3Store(direct.url, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+    now = int(time.time()) * 1_000_000
+    index = pa.table(
+        {
+            "query_id": pa.array([f"127.0.0.1-1-{now + i}" for i in range(6)]).dictionary_encode(),
+            "ts_us": pa.array([now + i * 3_600_000_000 for i in range(6)], pa.int64()),
+            "file": pa.array(["p/q.jsonl"] * 6).dictionary_encode(),
+            "offset": pa.array(range(6), pa.int64()),
+            "length": pa.array([1] * 6, pa.int32()),
+        }
+    )
+    for batch, how in ((1, "lease"), (2, "lease start"), (3, "missing")):
+        stage = stage_key(batch, 1)
+        name = f"b{batch}-q000000"
+        written = write_index(index, direct, f"{stage}/eventstore", name, 3600)
+        names = [f"bucket={b}/{name}.arrow" for b in written]
+        _write_read_marker(direct, stage, "t0", [], {"queries/p/q.jsonl": [1, "e", None]}, 6, 0, names)
+        if how == "lease":
+            publish_files(via, "t", batch, 1, index=names)
+        elif how == "lease start":
+            publish_files(via, "t", batch, 1, indexed=6)
+        else:
+            direct.delete(f"{stage}/eventstore/{names[0]}")
+            with pytest.raises(IndexMissingError, match=r"an index file of batch 3 of 't' .named by its task. is"):
+                publish_files(via, "t", batch, 1, index=names)
+            continue
+        moved = sorted(e.key for e in direct.listing("_state/eventstore"))
+        assert [k for k in moved if f"/{name}." in k] == sorted(f"_state/eventstore/{n}" for n in names), how
+        assert not list(direct.listing(stage)), how  # the stage removed once its files are in place
+    assert proxy.dropped
+
+
+def test_a_batch_reads_its_retry_set_whole_or_not_at_all(
+    s3_server: storage_server.Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clicks waiting for their query sit in the last committed batch's retry set, one file per task that had
+    some; the next batch lists and reads it. A file the listing missed (as the adds' listing missed one under a
+    store SIGKILLed again and again) would have its clicks never looked at again, no outcome, no record. Told how many
+    the batch's tasks wrote (its committed "retried"), the set is listed again until it holds them, else the
+    batch fails in one line."""
+    import pyarrow.parquet as pq
+
+    from photon.joiner.batch import BatchRunner, RetrySetShortError
+    from photon.joiner.common import JoinSettings
+    from photon.registry.clock import ServerClock
+    from tests.integration.drop_proxy import DropProxy
+
+    monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "1")
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    direct = S3Store(f"s3://{bucket}/out/t")
+    for part, n in (("p0", 3), ("p1", 2)):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"due_us": pa.array([0] * n, pa.int64())}), sink)
+        direct.put(f"_state/retries/b0000000001-e1/{part}.parquet", sink.getvalue().to_pybytes())
+    listed = lambda method, path, h: method == "GET" and "retries" in urllib.parse.unquote(path)  # noqa: E731
+    for drops in (1, 10_000):
+        proxy = DropProxy(port, listed, drops=drops, empty=True)
+        via = S3Store(direct.url, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        runner = BatchRunner(
+            dc="dc-a", pipeline="t", logs=via, root=via, servers={}, spark=None, settings=JoinSettings(),
+            clock=ServerClock.assumed(), state=None, discovery=None, parallelism=1,  # type: ignore[arg-type]
+        )  # fmt: skip
+        runner.retry_key, runner.retry_rows = "retries/b0000000001-e1", 5
+        if drops == 1:
+            assert runner.retry_counts() == (5, 5)
+            assert [e.key.rpartition("/")[2] for e in runner.retry_files()] == ["p0.parquet", "p1.parquet"]
+        else:
+            with pytest.raises(RetrySetShortError, match="the retry set lists 0 clicks of the 5 its batch's tasks"):
+                runner.retry_files()
+        assert proxy.dropped, drops
+
+
 def test_publishers_and_listers_ride_a_store_sigkilled_again_and_again(
     s3_server: storage_server.Server, bucket: str
 ) -> None:

@@ -39,7 +39,7 @@ from photon.pg import replication_mode
 from photon.registry.clock import ServerClock
 from photon.settings import load_settings
 from photon.spark_session import is_remote
-from photon.storage import Entry, StorageError, Store
+from photon.storage import Entry, StorageError, Store, again
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class BatchRunner:
         self.state_store = root.child(STATE)
         self.last_batch = 0  # last batch committed (by this lease or before it)
         self.retry_key: str | None = None  # the last committed batch's retry set: a folder of ``self.state``
-        self._retry_due: tuple[str, np.ndarray] | None = None  # its due times, read once (a retry set never changes)
+        self.retry_rows: int | None = None  # the rows its tasks wrote to it (the batch's committed "retried")
+        # Its files and their due times, read once (a retry set never changes)
+        self._retry_set: tuple[str, list[Entry], np.ndarray] | None = None
         self.horizon_us: int | None = None  # the registry's horizon at the lease's start (query_index.py)
         self.shared_index: Store | None = None  # a backfill's: the data center's shared query index
         self.ship_queries_from = int(load_settings().ship_queries_from_mib * (1 << 20))  # bytes (``_wanted``)
@@ -120,24 +122,40 @@ class BatchRunner:
     def retry_counts(self) -> tuple[int, int]:
         """(waiting, due) retries. Asked on every trigger, so it reads the small retry set with Arrow rather than
         starting a Spark job while the joiner is idle."""
-        import pyarrow.parquet as pq
-
-        if self.retry_key is None:
-            return 0, 0
-        if self._retry_due is None or self._retry_due[0] != self.retry_key:
-            due = [np.zeros(0, np.int64)]
-            for e in self.retry_files():
-                table = pq.read_table(pa.BufferReader(self.state_store.get(e.key)), columns=["due_us"])
-                due.append(table["due_us"].to_numpy())
-            self._retry_due = (self.retry_key, np.concatenate(due))
-        due_us = self._retry_due[1]
+        due_us = self._read_retry_set()[1]
         return len(due_us), int(np.count_nonzero(due_us <= self.clock.now_us()))
 
     def retry_files(self) -> list[Entry]:
         """The files of the last committed batch's retry set, in the pipeline's state."""
-        if self.retry_key is None:
-            return []
-        return [e for e in self.state_store.files(self.retry_key) if e.key.endswith(".parquet")]
+        return self._read_retry_set()[0]
+
+    def _read_retry_set(self) -> tuple[list[Entry], np.ndarray]:
+        """The retry set's files and due times. Listed again while they hold fewer rows than its batch's tasks wrote
+        (``retry_rows``; a store's listing may miss an object just put), within the storage retry budget, then
+        ``RetrySetShortError``: a file missed would have its clicks never looked at again."""
+        import pyarrow.parquet as pq
+
+        key, want = self.retry_key, self.retry_rows
+        if key is None:
+            return [], np.zeros(0, np.int64)
+        if self._retry_set is None or self._retry_set[0] != key:
+
+            def listed() -> tuple[list[Entry], np.ndarray]:
+                files = [e for e in self.state_store.files(key) if e.key.endswith(".parquet")]
+                due = [np.zeros(0, np.int64)]
+                for e in files:
+                    table = pq.read_table(pa.BufferReader(self.state_store.get(e.key)), columns=["due_us"])
+                    due.append(table["due_us"].to_numpy())
+                found = np.concatenate(due)
+                if want is not None and len(found) < want:
+                    raise RetrySetShortError(
+                        f"{self.state_store.location(key)}: the retry set lists {len(found)} clicks of the {want} its"
+                        " batch's tasks wrote (the store's listing is missing some): no batch reads it so"
+                    )
+                return files, found
+
+            self._retry_set = (key, *again(listed, lambda exc: isinstance(exc, RetrySetShortError)))
+        return self._retry_set[1], self._retry_set[2]
 
     def _task(
         self, tag: str, now: int, stage: str, token: int, batch: int, root: str = "", source_root: str = ""
@@ -280,9 +298,9 @@ class BatchRunner:
         _maybe_crash("after_commit", k, k - lease.last_batch)
         # Never fewer rows than the tasks staged (a store's listing may miss some just after it restarted)
         expect = {JOINED: counts["joined"], UNJOINABLE: counts["unjoinable"], QUARANTINE: metrics["quarantined"]}
-        self.publish(k, lease.epoch, k - lease.last_batch, expect)
+        self.publish(k, lease.epoch, k - lease.last_batch, expect, markers.index)
         self.discovery.committed(files, markers.read, changed, marks)  # consumed; behind the marks: forgotten
-        self.retry_key = f"retries/{t.tag}"
+        self.retry_key, self.retry_rows = f"retries/{t.tag}", counts["retried"]
         self.last_batch = k
         took = (t_job - t_start, time.time() - t_job)
         log.info("%s batch %d: job %.2fs, commit %.2fs: %s", self.pipeline, k, *took, metrics)
@@ -301,15 +319,28 @@ class BatchRunner:
                 stage_rows(self.root, QUARANTINE, stage, f"{tag}-changed-{kind}", records, batch)
         return n
 
-    def publish(self, k: int, epoch: int, lease_batch: int = 0, expect: dict[str, int] | None = None) -> None:
-        """Batch ``k`` of lease ``epoch``, committed: its files committed to the tables, then marked published."""
+    def publish(
+        self,
+        k: int,
+        epoch: int,
+        lease_batch: int = 0,
+        expect: dict[str, int] | None = None,
+        index: list[str] | None = None,
+        indexed: int | None = None,
+    ) -> None:
+        """Batch ``k`` of lease ``epoch``, committed: its files committed to the tables, then marked published
+        (``publish_files``: ``expect``, ``index`` and ``indexed`` are what its tasks reported)."""
 
         def crash_point(kind: str) -> None:  # the joined table holds the batch, the others not yet
             if kind == JOINED:
                 _maybe_crash("after_table_commit", k, lease_batch)
 
-        publish_files(self.root, self.pipeline, k, epoch, crash_point, expect)
+        publish_files(self.root, self.pipeline, k, epoch, crash_point, expect, index, indexed)
         self.state.mark_published(k)
+
+
+class RetrySetShortError(StorageError):
+    """A retry set that lists fewer clicks than its batch's tasks wrote to it: never read so."""
 
 
 WANTED_MAX = 500_000  # (click, query) pairs, about 60 bytes each

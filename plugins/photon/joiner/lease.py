@@ -129,13 +129,13 @@ class Joiner:
         # Which logs this output came from (the auditor reads it)
         self.root.put("_pipeline.json", (json.dumps({"pipeline": self.pipeline, "dc": self.dc}) + "\n").encode())
         open_batches = self.state.open_batches()
-        committed = {(b, e): published for b, e, published, _ in open_batches}
+        committed = {(b.batch, b.epoch): b.published for b in open_batches}
         # Alive while it publishes (a stage listed short is listed again for up to PHOTON_STORAGE_RETRY_S per kind):
         # a standby must not take it for dead after 15 s and fence it.
         with self.state.heartbeating(lease, self.s.heartbeat_s):
-            for b, e, published, rows in open_batches:
-                if not published:
-                    self.batches.publish(b, e, expect=rows)  # never fewer rows than its tasks staged
+            for b in open_batches:
+                if not b.published:  # never fewer rows than its tasks staged, nor fewer index files than they named
+                    self.batches.publish(b.batch, b.epoch, expect=b.rows, indexed=b.queries)
         self._sweep(lease, {batch_tag(*max(committed))} if committed else set())
         now = self.clock.now_us()
         marks = self.state.marks() if committed else self.discovery.first_marks(lease.start_us, now)
@@ -154,6 +154,7 @@ class Joiner:
         self.batches.last_batch = self.lease.last_batch
         last = max(committed, default=None)
         self.batches.retry_key = f"retries/{batch_tag(*last)}" if last else None
+        self.batches.retry_rows = open_batches[-1].retried if open_batches else None
         _check_state(self.state_store, self.batches.retry_files(), self.clock.now_us(), self.s.bucket_s)
         # Building the shared query index can take minutes (hours of query history): heartbeat meanwhile, or a
         # standby takes the lease for dead after 15 s and fences it.

@@ -5,12 +5,13 @@ start for a batch committed but not yet published, and by the verifier rolling a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from photon.joiner.common import batch_tag
+from photon.joiner.tasks import read_markers
 from photon.logs.tables import publish_batch
-from photon.storage import Store, as_store
+from photon.storage import StorageError, Store, as_store
 
 STAGING, STATE = "_staging", "_state"
 INDEX_FILES = (".parquet", ".arrow")
@@ -28,18 +29,39 @@ def publish_files(
     epoch: int,
     committed: Callable[[str], None] | None = None,
     expect: Mapping[str, int] | None = None,
+    index: Sequence[str] | None = None,
+    indexed: int | None = None,
 ) -> dict[str, str]:
     """Publish batch ``batch`` of lease ``epoch`` from its stage (``<root>/_staging/<tag>``; ``root`` a folder or a
     store). Idempotent, and safe beside another process publishing the same batch (a lease start, the verifier
     rolling a dead pipeline's batch forward): a table already holding the batch commits nothing again, and each index
     file is moved whole, once; whoever comes second finds it gone. Returns what each table did (``publish_batch``,
-    which calls ``committed``; ``expect``: the rows per kind its tasks staged, when the publisher knows them)."""
+    which calls ``committed``; ``expect``: the rows per kind its tasks staged, when the publisher knows them).
+
+    The batch's EventStore index files are moved by the names its tasks gave in their read markers: ``index`` (the
+    lease that ran it has them), or the markers found in the stage when they name the ``indexed`` queries the batch
+    committed. Only failing both (a batch of an older version, whose markers name no files) are they listed."""
     store = as_store(root)
     stage = stage_key(batch, epoch)
     done = publish_batch(store, pipeline, batch, stage, committed, expect)
     src = f"{stage}/eventstore"
-    for e in list(store.listing(src)):
-        if e.key.endswith(INDEX_FILES):  # durable in place before the batch is marked published (Store.move)
-            store.move(e.key, f"{STATE}/eventstore/{e.key.removeprefix(src + '/')}")
+    if index is None and indexed:
+        markers = read_markers(store, stage)
+        index = markers.index if markers.indexed == indexed else None
+    if index is None:
+        index = [e.key.removeprefix(src + "/") for e in store.listing(src) if e.key.endswith(INDEX_FILES)]
+    for rel in index:  # each durable in place before the batch is marked published (Store.move)
+        if (
+            not store.move(f"{src}/{rel}", f"{STATE}/eventstore/{rel}")
+            and store.head(f"{STATE}/eventstore/{rel}") is None
+        ):
+            raise IndexMissingError(
+                f"{store.location(src)}/{rel}: an index file of batch {batch} of {pipeline!r} (named by its task) is "
+                "neither in its stage nor in the pipeline's state: not published; the batch is published again later"
+            )
     store.remove_all(stage)
     return done
+
+
+class IndexMissingError(StorageError):
+    """A batch's index file, named by the task that wrote it, found nowhere: the batch is never published so."""

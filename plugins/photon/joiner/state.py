@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from psycopg2.extras import execute_values
 
@@ -33,6 +33,18 @@ from photon.pg import across_failover, autocommit, connect, sync_barrier
 from photon.registry.owners import Token
 
 log = logging.getLogger(__name__)
+
+
+class OpenBatch(NamedTuple):
+    """A committed batch as a lease start sees it, with what its tasks reported staging (its committed metrics)."""
+
+    batch: int
+    epoch: int
+    published: bool
+    rows: dict[str, int]  # rows per output kind: what a publish of it must find staged (``publish_files``' expect)
+    queries: int | None  # queries it indexed in its staged EventStore (None: no metrics)
+    retried: int | None  # clicks its tasks wrote to its retry set
+
 
 # A standby refreshes its announcement this often; one not refreshed for STANDBY_FRESH_S seconds (by the server's
 # clock) died or was stopped, and a lease does not wait for it.
@@ -206,26 +218,27 @@ class PipelineState:
             row = cur.fetchone()
         return {"queries": row[0], "clicks": row[1]} if row else {"queries": None, "clicks": None}
 
-    def open_batches(self) -> list[tuple[int, int, bool, dict[str, int]]]:
-        """(batch_seq, epoch, published, rows per output kind it committed) of the batches a lease start needs: the
-        unpublished ones and the last one (whose retry set the next batch reads). Bounded, however many batches the
-        pipeline has committed. The rows are the tasks' counts, committed with the batch: what a publish of it must
-        find staged (``publish_files``' ``expect``)."""
+    def open_batches(self) -> list[OpenBatch]:
+        """The batches a lease start needs: the unpublished ones and the last one (whose retry set the next batch
+        reads). Bounded, however many batches the pipeline has committed."""
         return across_failover(self._open_batches)  # a read
 
-    def _open_batches(self) -> list[tuple[int, int, bool, dict[str, int]]]:
+    def _open_batches(self) -> list[OpenBatch]:
         with autocommit(self.dsn) as conn, conn.cursor() as cur:
             cur.execute(
-                "SELECT b.batch_seq, b.epoch, b.published, m.joined, m.unjoinable, m.quarantined"
+                "SELECT b.batch_seq, b.epoch, b.published, m.queries, m.retried, m.joined, m.unjoinable, m.quarantined"
                 " FROM photon.batches b JOIN photon.pipelines p ON p.pipeline = b.pipeline"
                 " LEFT JOIN photon.batch_metrics m ON m.pipeline = b.pipeline AND m.batch_seq = b.batch_seq"
                 " WHERE b.pipeline = %s AND (NOT b.published OR b.batch_seq = p.last_batch) ORDER BY 1",
                 (self.pipeline,),
             )
             return [
-                (int(b), int(e), bool(p), {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n})
-                for b, e, p, *rows in cur.fetchall()
-            ]
+                OpenBatch(
+                    int(b), int(e), bool(p), {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n},
+                    None if q is None else int(q), None if r is None else int(r),
+                )
+                for b, e, p, q, r, *rows in cur.fetchall()
+            ]  # fmt: skip
 
     def batches(self) -> list[tuple[int, int, bool]]:
         """(batch_seq, epoch, published) of every committed batch."""

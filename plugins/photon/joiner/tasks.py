@@ -360,11 +360,12 @@ def _write_read_marker(
     read: dict[str, list[Any]],
     indexed: int,
     quarantined: int,
+    index: list[str],
 ) -> None:
     """What one stage-1 task tells the driver: files it left for a later batch, each file's (size, tag, inode) as
-    read, how many queries it indexed and how many rows it quarantined. A retried task's marker replaces its failed
-    attempt's whole."""
-    marker = {"skipped": skipped, "read": read, "indexed": indexed, "quarantined": quarantined}
+    read, how many queries it indexed, in which index files (under the stage's ``eventstore/``), and how many rows it
+    quarantined. A retried task's marker replaces its failed attempt's whole."""
+    marker = {"skipped": skipped, "read": read, "indexed": indexed, "quarantined": quarantined, "index": index}
     root.put(f"{stage}/{READ_MARKERS}/{name}.json", json.dumps(marker).encode())
 
 
@@ -376,6 +377,7 @@ class ReadMarkers:
     read: dict[tuple[str, str], tuple[Any, ...]]  # (kind, file): (size, tag, inode) as read
     indexed: int  # queries indexed in the batch's staged EventStore (counted by its writers: never read back)
     quarantined: int  # rows of malformed lines the tasks staged for the quarantine table
+    index: list[str] | None  # the index files the tasks wrote, under the stage's eventstore/ (None: a marker of old)
 
 
 class MarkersMissingError(StorageError):
@@ -391,7 +393,7 @@ def read_markers(root: Path | Store, stage: str, files: Iterable[tuple[str, str]
     want = set(files)
 
     def found() -> ReadMarkers:
-        markers = ReadMarkers(set(), {}, 0, 0)
+        markers = ReadMarkers(set(), {}, 0, 0, [])
         for e in store.files(f"{stage}/{READ_MARKERS}"):
             if not e.key.endswith(".json"):
                 continue
@@ -400,6 +402,10 @@ def read_markers(root: Path | Store, stage: str, files: Iterable[tuple[str, str]
             markers.read.update({(k.split("/", 1)[0], k.split("/", 1)[1]): tuple(v) for k, v in marker["read"].items()})
             markers.indexed += int(marker.get("indexed", 0))
             markers.quarantined += int(marker.get("quarantined", 0))
+            if "index" not in marker:
+                markers.index = None
+            elif markers.index is not None:
+                markers.index.extend(marker["index"])
         missing = want - markers.skipped - markers.read.keys()
         if missing:
             (kind, name), more = min(missing), len(missing) - 1
@@ -481,7 +487,7 @@ def _source_task(
         import pyarrow.parquet as pq
 
         # At run time: the worker's own cache, never a copy pickled with this function
-        from photon.joiner.eventstore import QUERY_OBJECTS, index_of, write_index
+        from photon.joiner.eventstore import INDEX_SUFFIX, QUERY_OBJECTS, index_of, write_index
 
         check_code(t.code, t.adapter)
 
@@ -558,14 +564,17 @@ def _source_task(
                 )
                 yield from _shuffled(candidates, wanted).to_batches()
         indexed = quarantined_rows = 0
+        index_files: list[str] = []
         if stored:  # one file per task and bucket: fewer, larger files for the lookups to read
             index = pa.concat_tables(stored)
-            write_index(index, root, f"{stage}/eventstore", f"{t.tag}-q{first:06d}", t.bucket_s)
+            name = f"{t.tag}-q{first:06d}"
+            written = write_index(index, root, f"{stage}/eventstore", name, t.bucket_s)
+            index_files = [f"bucket={b}/{name}{INDEX_SUFFIX}" for b in written]
             indexed = index.num_rows
         if quarantined:  # named as the marker: unique in the batch, and the same again for a retried task
             quarantined_rows = stage_rows(root, QUARANTINE, stage, marker_name, pa.concat_tables(quarantined), t.batch)
         if read or skipped:
-            _write_read_marker(root, stage, marker_name, skipped, read, indexed, quarantined_rows)
+            _write_read_marker(root, stage, marker_name, skipped, read, indexed, quarantined_rows, index_files)
 
     return run
 

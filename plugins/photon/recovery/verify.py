@@ -122,6 +122,7 @@ class _Batch:
     published: bool
     joined: int | None  # rows the batch wrote to joined/, from its committed metrics
     rows: dict[str, int] = field(default_factory=dict)  # rows per output kind, from its committed metrics
+    queries: int | None = None  # queries it indexed, from its committed metrics
 
 
 @dataclass
@@ -145,16 +146,17 @@ def _read_state(cur: Any) -> _State:
     )
     pipes = {str(p): _Pipeline(str(p), int(e), int(b), int(o), float(i or 0)) for p, e, b, o, i in cur.fetchall()}
     cur.execute(
-        "SELECT b.pipeline, b.batch_seq, b.owner_id, b.epoch, b.published, m.joined, m.unjoinable, m.quarantined"
+        "SELECT b.pipeline, b.batch_seq, b.owner_id, b.epoch, b.published, m.queries, m.joined, m.unjoinable,"
+        " m.quarantined"
         " FROM photon.batches b"
         " LEFT JOIN photon.batch_metrics m ON m.pipeline = b.pipeline AND m.batch_seq = b.batch_seq"
     )
     batches = {
         (str(p), int(s)): _Batch(
             int(o), int(e), bool(pub), None if rows[0] is None else int(rows[0]),
-            {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n},
+            {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n}, None if q is None else int(q),
         )
-        for p, s, o, e, pub, *rows in cur.fetchall()
+        for p, s, o, e, pub, q, *rows in cur.fetchall()
     }  # fmt: skip
     return _State(owners, retired, pipes, batches)
 
@@ -294,7 +296,8 @@ def _verify_pass(servers: Mapping[str, str], out: Store, logs: Store, grace_s: f
         for name, batch in to_roll:
             rolled = state.batches[(name, batch)]
             if not dry_run:
-                publish_files(folders[name], name, batch, rolled.epoch, expect=rolled.rows)  # never fewer rows
+                # Never fewer rows than its tasks staged, nor fewer index files than they named
+                publish_files(folders[name], name, batch, rolled.epoch, expect=rolled.rows, indexed=rolled.queries)
                 _batch_files(folders[name], name, batch, rolled, changed=True)  # all of it is in place now
                 lcur.execute(
                     "UPDATE photon.batches SET published = true WHERE pipeline = %s AND batch_seq = %s", (name, batch)
