@@ -15,7 +15,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from photon.joiner.common import JOIN_COUNTS, US, BatchResult, JoinSettings, _maybe_crash, batch_tag, code_fingerprint
+from photon.durable import check_parquet
+from photon.joiner.common import (
+    JOIN_COUNTS,
+    RECOVER_RETRIES,
+    US,
+    BatchResult,
+    JoinSettings,
+    _maybe_crash,
+    batch_tag,
+    code_fingerprint,
+)
 from photon.joiner.discovery import Discovery, _marks_before
 from photon.joiner.publish import STAGING, STATE, publish_files, stage_key
 from photon.joiner.state import Lease, PipelineState
@@ -141,13 +151,17 @@ class BatchRunner:
         if self._retry_set is None or self._retry_set[0] != key:
 
             def listed() -> tuple[list[Entry], np.ndarray]:
-                files = [e for e in self.state_store.files(key) if e.key.endswith(".parquet")]
+                every = self.state_store.files(key)
+                files = [e for e in every if e.key.endswith(".parquet")]
                 due = [np.zeros(0, np.int64)]
                 for e in files:
-                    table = pq.read_table(pa.BufferReader(self.state_store.get(e.key)), columns=["due_us"])
-                    due.append(table["due_us"].to_numpy())
+                    data = self.state_store.get(e.key)
+                    check_parquet(data, self.state_store.location(e.key), RECOVER_RETRIES)  # damaged: named, one line
+                    due.append(pq.read_table(pa.BufferReader(data), columns=["due_us"])["due_us"].to_numpy())
                 found = np.concatenate(due)
-                if want is not None and len(found) < want:
+                # A file moved aside (RECOVER_RETRIES: ``mv FILE FILE.corrupt``): its clicks given up by a person
+                aside = len(every) > len(files)
+                if want is not None and len(found) < want and not aside:
                     raise RetrySetShortError(
                         f"{self.state_store.location(key)}: the retry set lists {len(found)} clicks of the {want} its"
                         " batch's tasks wrote (the store's listing is missing some): no batch reads it so"

@@ -101,8 +101,13 @@ def stage_rows(root: Path | Store, kind: str, stage: str, name: str, rows: pa.Ta
         data = parquet_bytes(part)
         store.put(f"{kind}/{rel}", data)
         adds.append({"path": rel, "size": len(data), "hour": hour, "stats": _stats(part)})
-    store.put(f"{stage}/{ADDS}/{kind}-{name}.json", json.dumps({"kind": kind, "files": adds}).encode())
+    store.put(adds_key(stage, kind, name), json.dumps({"kind": kind, "files": adds}).encode())
     return rows.num_rows
+
+
+def adds_key(stage: str, kind: str, name: str) -> str:
+    """Where ``stage_rows`` records the add actions of the ``kind`` files it wrote as ``name``."""
+    return f"{stage}/{ADDS}/{kind}-{name}.json"
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
