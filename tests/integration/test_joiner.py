@@ -206,44 +206,6 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
     assert sorted(waiting["due_us"].to_pylist()) == [now + 10 * US, now + 15 * US]
 
 
-def test_a_retried_task_replaces_what_its_earlier_attempt_staged(tmp_path: Path, servers: dict[str, str]) -> None:
-    """A task stages only the kinds it has rows for, under names its retried attempt uses again. Attempts may decide
-    differently (a nondeterministic adapter, the GC horizon moved between them): an earlier attempt's unjoinable rows
-    and retry set, which the retried one no longer has, must not be published beside the retried attempt's output (a
-    click would be both joined and unjoinable, or retried once decided)."""
-    import pyarrow as pa
-
-    from photon.joiner.tasks import CANDIDATE, join_partition
-    from photon.logs.tables import staged_rows
-
-    now = int(time.time() * US)
-    delay = 20 * US
-    rows = pa.table(
-        {
-            "click_id": [f"10.0.0.1-5-{now - 10 * US}", f"10.0.0.1-5-{now - 600 * US}"],
-            "click_ts_us": [now - 10 * US, now - 600 * US],  # the second one past its deadline: unjoinable
-            "query_id": [f"10.0.0.2-6-{now - 11 * US}", f"10.0.0.2-6-{now - 601 * US}"],
-            "ad_id": ["a1", "a1"],
-            "attempts": pa.array([0, 4], pa.int32()),
-            "first_seen_us": [now - 10 * US, now - 600 * US],
-            "due_us": [now, now],
-            "recovered_us": pa.array([None, None], pa.int64()),
-        },
-        CANDIDATE,
-    )
-    task = partition_task(tmp_path, servers, now, delay)
-    root = tmp_path / "out" / "dc-a"
-    counts, _ = join_partition(task, rows, 0)
-    assert (counts["unjoinable"], counts["retried"]) == (1, 1)
-    assert staged_rows(root, task.stage, "unjoinable") == 1
-    assert list((tmp_path / "state" / "retries" / task.tag).glob("*.parquet"))
-    # The retried attempt decides nothing of the kind (here: its partition came out empty).
-    counts, _ = join_partition(task, rows.slice(0, 0), 0, attempt=1)
-    assert (counts["unjoinable"], counts["retried"]) == (0, 0)
-    assert staged_rows(root, task.stage, "unjoinable") == 0
-    assert not list((tmp_path / "state" / "retries" / task.tag).glob("*.parquet"))
-
-
 def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int) -> Any:
     from photon.joiner.tasks import _Task
 

@@ -961,8 +961,8 @@ def test_a_batch_never_takes_a_log_file_for_read_without_its_tasks_marker(
     monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "2")
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
     store = S3Store(f"s3://{bucket}/out/t")
-    _write_read_marker(store, "st", "t0", [["clicks", "p/b.jsonl"]], {"queries/p/a.jsonl": [5, "e", None]}, 3, 2)
-    _write_read_marker(store, "st", "t1", [], {"clicks/p/c.jsonl": [7, "f", None]}, 0, 1)
+    _write_read_marker(store, "st", "t0", [["clicks", "p/b.jsonl"]], {"queries/p/a.jsonl": [5, "e", None]}, 3, 2, [])
+    _write_read_marker(store, "st", "t1", [], {"clicks/p/c.jsonl": [7, "f", None]}, 0, 1, [])
     logs = [("queries", "p/a.jsonl"), ("clicks", "p/b.jsonl"), ("clicks", "p/c.jsonl")]
     marked = lambda method, path, h: method == "GET" and "_read" in urllib.parse.unquote(path)  # noqa: E731
     for drops in (1, 10_000):
@@ -996,8 +996,18 @@ def test_a_batch_s_index_files_are_published_by_the_names_its_tasks_gave_not_by_
 
     monkeypatch.setenv("PHOTON_STORAGE_RETRY_S", "1")
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
-    indexed = lambda method, path, h: method == "GET" and "eventstore" in urllib.parse.unquote(path)  # noqa: E731
-    proxy = DropProxy(port, indexed, drops=10_000, empty=True)
+    markers_listed = [-1]  # armed (0) for the lease start's publish only
+
+    def listed_short(method: str, path: str, h: dict[str, str]) -> bool:
+        """Every listing of the stage's index folder, and the first of its markers (a lease start lists them
+        again until they name the queries the batch indexed)."""
+        path = urllib.parse.unquote(path)
+        if method == "GET" and "list-type" in path and "_read" in path and markers_listed[0] >= 0:
+            markers_listed[0] += 1
+            return markers_listed[0] == 1
+        return method == "GET" and "eventstore" in path
+
+    proxy = DropProxy(port, listed_short, drops=10_000, empty=True)
     direct = S3Store(f"s3://{bucket}/out/t")
     via = S3Store(direct.url, {"aws_endpoint_url": f"http://127.0.0.1:{proxy.port}"})
     now = int(time.time()) * 1_000_000
@@ -1019,7 +1029,10 @@ def test_a_batch_s_index_files_are_published_by_the_names_its_tasks_gave_not_by_
         if how == "lease":
             publish_files(via, "t", batch, 1, index=names)
         elif how == "lease start":
+            markers_listed[0] = 0
             publish_files(via, "t", batch, 1, indexed=6)
+            assert markers_listed[0] >= 2, markers_listed
+            markers_listed[0] = -1
         else:
             direct.delete(f"{stage}/eventstore/{names[0]}")
             with pytest.raises(IndexMissingError, match=r"an index file of batch 3 of 't' .named by its task. is"):

@@ -164,7 +164,9 @@ class BatchRunner:
                 if want is not None and len(found) < want and not aside:
                     raise RetrySetShortError(
                         f"{self.state_store.location(key)}: the retry set lists {len(found)} clicks of the {want} its"
-                        " batch's tasks wrote (the store's listing is missing some): no batch reads it so"
+                        " batch's tasks wrote (the store's listing is missing some, or a file of it is gone): no batch"
+                        " reads it so. A file lost for good: put any file not ending in .parquet in that folder (such"
+                        " as lost.txt) and the pipeline goes on without its clicks (`photon audit` lists them)"
                     )
                 return files, found
 

@@ -155,10 +155,11 @@ class Joiner:
         last = max(committed, default=None)
         self.batches.retry_key = f"retries/{batch_tag(*last)}" if last else None
         self.batches.retry_rows = open_batches[-1].retried if open_batches else None
-        _check_state(self.state_store, self.batches.retry_files(), self.clock.now_us(), self.s.bucket_s)
-        # Building the shared query index can take minutes (hours of query history): heartbeat meanwhile, or a
-        # standby takes the lease for dead after 15 s and fences it.
+        # Building the shared query index can take minutes (hours of query history), and a retry set listed short is
+        # listed again for up to PHOTON_STORAGE_RETRY_S: heartbeat meanwhile, or a standby takes the lease for dead
+        # after 15 s and fences it.
         with self.state.heartbeating(lease, self.s.heartbeat_s):
+            _check_state(self.state_store, self.batches.retry_files(), self.clock.now_us(), self.s.bucket_s)
             self._prepare_lookups(lease.start_us, new_pipeline=not committed)
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from photon.joiner.common import batch_tag
-from photon.joiner.tasks import read_markers
+from photon.joiner.tasks import MarkersMissingError, read_markers
 from photon.logs.tables import publish_batch
 from photon.storage import StorageError, Store, as_store
 
@@ -46,8 +46,12 @@ def publish_files(
     done = publish_batch(store, pipeline, batch, stage, committed, expect)
     src = f"{stage}/eventstore"
     if index is None and indexed:
-        markers = read_markers(store, stage)
-        index = markers.index if markers.indexed == indexed else None
+        # The markers listed again (within the storage retry budget) until they name the queries the batch indexed;
+        # failing that (a stage already published and removed), listed as before
+        try:
+            index = read_markers(store, stage, indexed=indexed).index
+        except MarkersMissingError:
+            index = None
     if index is None:
         index = [e.key.removeprefix(src + "/") for e in store.listing(src) if e.key.endswith(INDEX_FILES)]
     for rel in index:  # each durable in place before the batch is marked published (Store.move)

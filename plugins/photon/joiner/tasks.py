@@ -52,7 +52,7 @@ from photon.logs.schemas import (
     UNJOINABLE,
     UNJOINABLE_SCHEMA,
 )
-from photon.logs.tables import adds_key, parquet_bytes, stage_rows
+from photon.logs.tables import parquet_bytes, stage_rows
 from photon.pg import REPLICATION_ENV
 from photon.settings import MAX_CLOCK_SKEW_S, PLAUSIBLE_FROM_US
 from photon.storage import ChangingError, Entry, StorageError, Store, again, as_store, cached_store, in_flight, locate
@@ -384,11 +384,14 @@ class MarkersMissingError(StorageError):
     """A batch's log files that no task's read marker accounts for: the batch is never committed so."""
 
 
-def read_markers(root: Path | Store, stage: str, files: Iterable[tuple[str, str]] = ()) -> ReadMarkers:
+def read_markers(
+    root: Path | Store, stage: str, files: Iterable[tuple[str, str]] = (), indexed: int = 0
+) -> ReadMarkers:
     """The read markers of a batch's tasks. Every one of the batch's log ``files`` (kind, name) was either read or
     left by some task, which said so in its marker: the stage is listed again while a file is missing (a store's
     listing may miss an object just put, as its adds' did under a store SIGKILLed again and again), within the storage
-    retry budget; then ``MarkersMissingError``. A file taken as read without a marker would be consumed unread."""
+    retry budget; then ``MarkersMissingError``. A file taken as read without a marker would be consumed unread.
+    Likewise while they count fewer than ``indexed`` queries indexed (a publisher that has only the batch's metrics)."""
     store = as_store(root)
     want = set(files)
 
@@ -407,6 +410,11 @@ def read_markers(root: Path | Store, stage: str, files: Iterable[tuple[str, str]
             elif markers.index is not None:
                 markers.index.extend(marker["index"])
         missing = want - markers.skipped - markers.read.keys()
+        if markers.indexed < indexed:
+            raise MarkersMissingError(
+                f"{store.location(stage)}: the tasks' read markers name {markers.indexed} queries indexed of the"
+                f" {indexed} the batch committed (the store's listing is missing some)"
+            )
         if missing:
             (kind, name), more = min(missing), len(missing) - 1
             raise MarkersMissingError(
@@ -600,13 +608,13 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
         check_code(t.code, t.adapter)
         os.environ[REPLICATION_ENV] = t.replication  # this task's registry connections follow its driver's rule
         ctx = TaskContext.get()
-        part, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
+        part = ctx.partitionId() if ctx is not None else 0
         rows = pa.Table.from_batches(list(batches), SHUFFLED)
         query = pc.is_valid(rows.column("line"))
         shipped = rows.filter(query).select(["click_id", "query_id", "line", "order"])
         rows = rows.filter(pc.invert(query)).drop_columns(["line", "order"])
         try:
-            counts, latencies = join_partition(t, rows, part, shipped, attempt)
+            counts, latencies = join_partition(t, rows, part, shipped)
         finally:
             if t.code:
                 # On a Spark Connect server every client session gets Python workers of its own, which outlive it
@@ -621,13 +629,12 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
 
 
 def join_partition(
-    t: _Task, rows: pa.Table, part: int, shipped: pa.Table | None = None, attempt: int = 0
+    t: _Task, rows: pa.Table, part: int, shipped: pa.Table | None = None
 ) -> tuple[dict[str, int], np.ndarray]:
     """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition of
     candidates (``CANDIDATE``, and ``wanted`` if the batch had a ``Wanted``); ``shipped``: the batch's own queries
-    shipped to the partition (``SHUFFLED``'s click_id, query_id, line, order); ``attempt``: Spark's attempt number
-    of the task (a retried one replaces whatever its earlier attempts staged). Returns the partition's counts and the
-    joined clicks' latencies."""
+    shipped to the partition (``SHUFFLED``'s click_id, query_id, line, order). Returns the partition's counts and
+    the joined clicks' latencies."""
     from photon.joiner.eventstore import cache_for
     from photon.registry.client import Outcome
     from photon.registry.owners import Token
@@ -786,14 +793,6 @@ def join_partition(
     counts["retried"] = retries.num_rows
     if retries.num_rows:
         t.state_store.put(f"retries/{t.tag}/{name}.parquet", parquet_bytes(retries.cast(CANDIDATE)))
-    if attempt:
-        # A retried task: what an earlier attempt staged and this one did not is not this task's output (attempts
-        # may decide differently: a nondeterministic adapter, the GC horizon moved), never published beside it.
-        for kind in (JOINED, UNJOINABLE):
-            if not counts[kind]:
-                root.delete(adds_key(stage, kind, name))
-        if not retries.num_rows:
-            t.state_store.delete(f"retries/{t.tag}/{name}.parquet")
     return counts, latencies
 
 
