@@ -24,7 +24,6 @@ from photon.joiner.common import (
     BEGINNING,
     HOLD_POLL_S,
     NOW,
-    RECOVER_RETRIES,
     SUCCESSOR_WAIT_S,
     US,
     BatchResult,
@@ -40,7 +39,7 @@ from photon.logs.layout import partition_start_us
 from photon.logs.tables import ensure_tables
 from photon.registry.clock import ClockSkewError, ServerClock
 from photon.spark_session import default_parallelism
-from photon.storage import Entry, Store, check_conditional_writes, open_store
+from photon.storage import Store, check_conditional_writes, open_store
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,8 @@ class Joiner:
         # listed again for up to PHOTON_STORAGE_RETRY_S: heartbeat meanwhile, or a standby takes the lease for dead
         # after 15 s and fences it.
         with self.state.heartbeating(lease, self.s.heartbeat_s):
-            _check_state(self.state_store, self.batches.retry_files(), self.clock.now_us(), self.s.bucket_s)
+            self.batches.retry_files()  # read whole now, each file checked (a damaged one named), not by a batch
+            _check_state(self.state_store, self.clock.now_us(), self.s.bucket_s)
             self._prepare_lookups(lease.start_us, new_pipeline=not committed)
         log.info("%s: lease epoch %d, last batch %d", self.pipeline, self.lease.epoch, self.lease.last_batch)
         return self.lease
@@ -479,11 +479,10 @@ def _when(us: int) -> str:
     return datetime.fromtimestamp(us / US, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _check_state(state: Store, retry_files: list[Entry], now_us: int, bucket_s: int) -> None:
-    """Fail the lease at its start, naming the file, if a state file the next batches read is empty or truncated
-    (a damaged disk), rather than failing every batch of every lease on it."""
-    for e in retry_files:
-        check_parquet(state.get(e.key), state.location(e.key), RECOVER_RETRIES)
+def _check_state(state: Store, now_us: int, bucket_s: int) -> None:
+    """Fail the lease at its start, naming the file, if an EventStore file the next batches read first is empty or
+    truncated (a damaged disk), rather than failing every batch of every lease on it (the retry set is checked as
+    it is read: ``BatchRunner.retry_files``)."""
     # The EventStore's newest minute, which the next lookups read first (named from the clock, not listed: the
     # store holds every bucket ever written). An older damaged file is named when a lookup reads it.
     newest = now_us // US // bucket_s
