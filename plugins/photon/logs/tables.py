@@ -101,8 +101,13 @@ def stage_rows(root: Path | Store, kind: str, stage: str, name: str, rows: pa.Ta
         data = parquet_bytes(part)
         store.put(f"{kind}/{rel}", data)
         adds.append({"path": rel, "size": len(data), "hour": hour, "stats": _stats(part)})
-    store.put(f"{stage}/{ADDS}/{kind}-{name}.json", json.dumps({"kind": kind, "files": adds}).encode())
+    store.put(adds_key(stage, kind, name), json.dumps({"kind": kind, "files": adds}).encode())
     return rows.num_rows
+
+
+def adds_key(stage: str, kind: str, name: str) -> str:
+    """Where ``stage_rows`` records the add actions of the ``kind`` files it wrote as ``name``."""
+    return f"{stage}/{ADDS}/{kind}-{name}.json"
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
@@ -151,7 +156,7 @@ def staged_rows(root: Path | Store, stage: str, kind: str, at_least: int = 0) ->
     if not at_least:
         return _rows_of(staged_adds(store, stage).get(kind, []))
     try:
-        return _rows_of((_staged(store, stage, {kind: at_least}) or {}).get(kind, []))
+        return _rows_of(_staged(store, stage, {kind: at_least}).get(kind, []))
     except StageShortError:
         return _rows_of(staged_adds(store, stage).get(kind, []))
 
@@ -311,27 +316,37 @@ class StageShortError(StorageError):
 
 
 def _staged(
-    store: Store, stage: str, expect: Mapping[str, int], held: Callable[[], bool] = lambda: False
-) -> dict[str, list[dict[str, Any]]] | None:
+    store: Store, stage: str, expect: Mapping[str, int], done: Callable[[], bool] = lambda: False
+) -> dict[str, list[dict[str, Any]]]:
     """The stage's adds, listed until they hold at least the rows ``expect`` names per kind (within the storage retry
-    budget; then ``StageShortError``); None once ``held()`` says the table holds the batch already (published by
-    another, its stage removed). Found under a store SIGKILLed again and again: a stage listed empty just after its
-    adds record was put (acknowledged), and the publish took it for "nothing staged" and lost the batch."""
+    budget; then ``StageShortError``, at once when ``done()`` says no one needs them any more). Found under a store
+    SIGKILLed again and again: a stage listed empty just after its adds record was put (acknowledged), and the
+    publish took it for "nothing staged" and lost the batch."""
+    tries = 0
 
-    def listed() -> dict[str, list[dict[str, Any]]] | None:
-        if held():
-            return None
+    def listed() -> dict[str, list[dict[str, Any]]]:
+        nonlocal tries
+        tries += 1
         adds = staged_adds(store, stage)
         for kind, want in expect.items():
             have = _rows_of(adds.get(kind, []))
             if have < want:
+                if tries > 1 and done():
+                    raise _NotNeeded
                 raise StageShortError(
                     f"{store.location(stage)}: the stage lists {have} {kind} rows of the {want} its tasks staged (the"
                     " store's listing is missing some): not published; the batch is published again later"
                 )
         return adds
 
-    return again(listed, lambda exc: isinstance(exc, StageShortError))
+    try:
+        return again(listed, lambda exc: isinstance(exc, StageShortError) and not isinstance(exc, _NotNeeded))
+    except _NotNeeded:
+        raise StageShortError(f"{store.location(stage)}: published meanwhile by another") from None
+
+
+class _NotNeeded(StageShortError):
+    """A short stage that another publisher has published meanwhile."""
 
 
 def publish_batch(
@@ -359,13 +374,21 @@ def publish_batch(
         table = _publisher_table(store, kind)  # every kind's table made at the first publish, with or without rows
         want = (expect or {}).get(kind, 0)
         if _rows_of(adds.get(kind, [])) < want:
-            # Short: a stage already published and removed (by a publisher that died before marking it published, or
-            # one racing this), or a listing that missed some adds; only the table tells them apart.
-            found = _staged(store, stage, {kind: want}, functools.partial(_holds, store, kind, table, pipeline, batch))
-            if found is None:
+            # Short: a stage already published and removed (a publisher that died before marking it published), or
+            # a listing that missed some adds; only the table tells them apart.
+            if _holds(store, kind, table, pipeline, batch):
                 done[kind] = "already"
                 continue
-            adds = found
+            try:
+                # Published by another meanwhile (its stage removed): no use waiting out the budget for it
+                adds = _staged(
+                    store, stage, {kind: want}, functools.partial(_holds, store, kind, table, pipeline, batch)
+                )
+            except StageShortError:
+                if not _holds(store, kind, table, pipeline, batch):
+                    raise
+                done[kind] = "already"
+                continue
         files = adds.get(kind, [])
         if not files:
             done[kind] = "none"
