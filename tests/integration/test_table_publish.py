@@ -214,3 +214,39 @@ def test_an_out_holding_an_old_folder_layout_or_another_table_is_refused_in_one_
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode != 0 and "not a Delta table" in res.stderr, res.stdout + res.stderr
     assert not any("Traceback" in line for line in lines), res.stderr
+
+
+def test_two_attempts_of_a_task_at_once_leave_every_published_file_whole(tmp_path: Path) -> None:
+    """Spark may run two attempts of a task at once (a speculative one, or an orphan on an executor it took for lost):
+    each writes its data files and then its adds record, and their rows may differ in bytes (a joined row's
+    ``joined_at_us``). Under one name per task, a late adds record of one attempt described the other's file, of
+    another size: the table's reader failed on it. Each call writes files of its own, which its record names: the
+    staged rows all read back whichever record lands last; the other's files stay unnamed, for the vacuum."""
+    from photon.joiner.publish import publish_files, stage_key
+    from photon.logs.tables import adds_key
+
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    stage, name = stage_key(1, 1), "t0-lookup"
+    ts = 1_764_300_000 * US
+
+    def attempt(reason: str) -> bytes:
+        n = 40
+        rows = pa.table(
+            {
+                "click_id": [f"c{i}" for i in range(n)], "query_id": [f"q{i}" for i in range(n)],
+                "ad_id": [f"a{i}" for i in range(n)], "click_ts_us": [ts + i * US for i in range(n)],
+                "reason": [reason] * n, "decided_at_us": [ts] * n, "pipeline": ["dc-a"] * n,
+            },
+            schema=UNJOINABLE_SCHEMA,
+        )  # fmt: skip
+        assert stage_rows(root, "unjoinable", stage, name, rows, 1) == n
+        return (root / adds_key(stage, "unjoinable", name)).read_bytes()
+
+    first = attempt("too_late")
+    attempt("query log line no longer readable " * 3)  # the second attempt: files of another size
+    (root / adds_key(stage, "unjoinable", name)).write_bytes(first)  # the first attempt's record, put last
+    assert publish_files(root, "dc-a", 1, 1, expect={"unjoinable": 40})["unjoinable"] == "committed"
+    got = DeltaTable(str(root / "unjoinable")).to_pyarrow_table()
+    assert sorted(got["click_id"].to_pylist()) == sorted(f"c{i}" for i in range(40))
+    assert set(got["reason"].to_pylist()) == {"too_late"}
