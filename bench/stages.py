@@ -246,9 +246,11 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
 
     import photon.joiner.eventstore as eventstore
     import photon.joiner.tasks as joiner_tasks
+    import photon.logs.tables as tables
     from photon.joiner.common import JoinSettings
     from photon.joiner.lease import Joiner
     from photon.registry.client import IdRegistry
+    from photon.storage import LocalStore, S3Store
 
     j = Joiner(dc, logs, root, servers, spark, JoinSettings(trigger_interval_s=0.0))
     stage_s: list[float] = []
@@ -267,8 +269,12 @@ def replay(spark: Any, servers: dict[str, str], logs: Path, dc: str, root: Path)
         (pathlib.Path, "read_bytes", "read files"),
         (joiner_tasks, "parse_file_located", "parse"),
         (eventstore, "write_index", "EventStore index (bucketing)"),
-        (eventstore, "_write_ipc", "EventStore index write"),
-        (eventstore, "atomic_write", "Parquet encode + write"),
+        (tables, "parquet_bytes", "Parquet encode"),
+        (LocalStore, "put", "folder writes (index, data files, records)"),
+        (S3Store, "put", "object puts (index, data files, records)"),
+        (S3Store, "read", "object reads (logs, index)"),
+        (S3Store, "get_ranges", "object range reads (query lines)"),
+        (S3Store, "files", "object listings"),
         (os, "fsync", "fsync"),
         (IdRegistry, "lookup", "registry pre-filter lookup"),
         (eventstore.EventStoreCache, "lookup", "EventStore lookup"),
