@@ -170,6 +170,29 @@ def test_vacuum_deletes_old_unreferenced_files_never_committed_or_staged_ones(tm
     assert got == {k: 5 for k in (1, 2, 3, 4, 5, 7)}
 
 
+def test_vacuum_spares_a_committed_batch_s_files_its_stage_listing_misses(tmp_path: Path) -> None:
+    """The vacuum spared a not-yet-published batch's old files only by the add records its stage listed. A listing
+    missing one (SeaweedFS, SIGKILLed again and again, kept an acknowledged add record out of its folder's listing)
+    had them deleted, and the batch, published later, named files gone. A data file whose name starts with a stage
+    folder's batch tag is spared as well, whatever that stage's records list."""
+    out, root = tmp_path / "out", tmp_path / "out" / "dc-a"
+    publish(root, range(1, 3))
+    folder = stage(root, 3, 5)  # committed, not published
+    table = root / JOINED
+    record = next((root / folder).rglob("*.json"))
+    kept = record.read_bytes()
+    record.unlink()  # as the stage's listing misses it
+    unpublished = sorted(table.rglob("b0000000003-*.parquet"))
+    for p in table.rglob("*.parquet"):
+        os.utime(p, (OLD, OLD))
+    t = next(r for r in maintain(out).tables if r.kind == JOINED)
+    assert t.vacuumed == [] and t.spared == 2 and all(p.exists() for p in unpublished)
+    record.write_bytes(kept)  # listed again
+    publish_files(root, "dc-a", 3, 1, expect={JOINED: 5})
+    got = Counter(joined(out).to_pyarrow_dataset().to_table(columns=["batch"])["batch"].to_pylist())
+    assert got == {1: 5, 2: 5, 3: 5}
+
+
 def test_a_retention_below_the_minimum_is_refused_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "out"
     publish(out / "dc-a", range(1, 4))

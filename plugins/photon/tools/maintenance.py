@@ -481,8 +481,10 @@ def vacuum_unreferenced(
     vacuum cannot make, in this order (the order is the argument):
 
     1. Candidates: files the snapshot loaded now does not name, older than the retention, or replaced longer ago.
-    2. Spared: every path a stage folder names. A batch committed to the registry but not yet published can be
-       published later, however old its files; ``publish`` removes a stage folder only after its Delta commit.
+    2. Spared: every path a stage folder names, and every file whose name starts with a stage folder's batch tag
+       (``b<batch>-e<epoch>``, as a joiner's tasks name them): a listing of the stage's records may miss one. A batch
+       committed to the registry but not yet published can be published later, however old its files; ``publish``
+       removes a stage folder only after its Delta commit.
     3. Named now: the table's newest snapshot. A batch published since step 1 names its files there: its stage
        folder was either still there at step 2 or gone, and then its commit came before step 3.
     4. Delete the candidates that are neither spared nor named now."""
@@ -495,13 +497,20 @@ def vacuum_unreferenced(
         return [], 0, 0
     # Step 2: spared.
     folder = t.key.rpartition("/")[0]  # the pipeline's: "" where the table was opened at it (OutputTable.at)
-    staged = staged_paths(t.store.child(folder) if folder else t.store, t.kind)
+    pipeline = t.store.child(folder) if folder else t.store
+    staged = staged_paths(pipeline, t.kind)
+    tags = set(pipeline.folders(STAGING))
+
+    def kept(rel: str) -> bool:
+        name = rel.rpartition("/")[2]
+        return rel in staged or "-".join(name.split("-")[:2]) in tags
+
     # Step 3: named by the newest snapshot.
     table.update_incremental()
     named = set(_relative_paths(table))
     # Step 4: delete.
-    doomed = sorted(p for p in candidates if p not in staged and p not in named)
-    spared = sum(1 for p in candidates if p in staged and p not in named)
+    doomed = sorted(p for p in candidates if not kept(p) and p not in named)
+    spared = sum(1 for p in candidates if kept(p) and p not in named)
     size = 0
     for rel in doomed:
         entry = t.store.head(f"{t.key}/{rel}")
