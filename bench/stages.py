@@ -224,6 +224,12 @@ class _Context:
     def partitionId(self) -> int:
         return self.part
 
+    def attemptNumber(self) -> int:
+        return 0
+
+    def stageAttemptNumber(self) -> int:
+        return 0
+
     def getter(self) -> Callable[[], Any]:
         return lambda: self
 

@@ -206,6 +206,45 @@ def test_a_waiting_click_gets_a_last_look_at_its_deadline(tmp_path: Path, server
     assert sorted(waiting["due_us"].to_pylist()) == [now + 10 * US, now + 15 * US]
 
 
+def test_a_retried_task_that_decides_its_clicks_otherwise_leaves_no_record_of_the_first_try(
+    tmp_path: Path, servers: dict[str, str]
+) -> None:
+    """Found by review: a task's first try staged its clicks joined and died; Spark ran it again, and the retry gave
+    them up (their queries' log lines gone, an adapter failing now): 0 joined rows, so no joined record written, and
+    the first try's record, under the same key, was published beside the retry's unjoinable rows: each click decided
+    twice. A retry writes a record of no files for each kind it has no rows of."""
+    import pyarrow as pa
+
+    from photon.joiner.publish import publish_files
+    from photon.joiner.tasks import CANDIDATE, join_partition
+    from photon.logs.schemas import JOINED_SCHEMA
+    from photon.logs.tables import ensure_tables, stage_rows
+
+    now = int(time.time() * US)
+    task = partition_task(tmp_path, servers, now, 20 * US)
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    clicks = [f"10.0.0.1-5-{now - (600 + i) * US}" for i in range(3)]
+    first = {f.name: [f"{f.name}-{i}" for i in range(3)] for f in JOINED_SCHEMA}
+    first |= {"click_id": clicks, "click_ts_us": [now] * 3, "query_ts_us": [now] * 3, "joined_at_us": [now] * 3}
+    first |= {"bid_micros": [1] * 3, "pipeline": ["dc-a"] * 3}
+    assert stage_rows(root, "joined", task.stage, f"{task.tag}-p0000", pa.table(first, JOINED_SCHEMA), 1) == 3
+    rows = pa.table(
+        {
+            "click_id": clicks, "click_ts_us": [now - (600 + i) * US for i in range(3)],
+            "query_id": [f"10.0.0.2-6-{now - (601 + i) * US}" for i in range(3)], "ad_id": ["a1"] * 3,
+            "attempts": pa.array([0] * 3, pa.int32()), "first_seen_us": [now - 600 * US] * 3, "due_us": [now] * 3,
+            "recovered_us": pa.array([None] * 3, pa.int64()),
+        },
+        CANDIDATE,
+    )  # fmt: skip
+    counts, _ = join_partition(task, rows, 0, rerun=True)  # past their deadline, no query: given up
+    assert (counts["joined"], counts["unjoinable"]) == (0, 3)
+    publish_files(root, "dc-a", 1, 1, expect={"joined": 0, "unjoinable": 3})
+    assert output.ids(tmp_path / "out", "joined") == []
+    assert sorted(output.ids(tmp_path / "out", "unjoinable")) == sorted(clicks)
+
+
 def partition_task(tmp_path: Path, servers: dict[str, str], now: int, delay: int) -> Any:
     from photon.joiner.tasks import _Task
 

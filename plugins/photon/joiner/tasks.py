@@ -493,6 +493,7 @@ def _source_task(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
+        from pyspark import TaskContext
 
         # At run time: the worker's own cache, never a copy pickled with this function
         from photon.joiner.eventstore import INDEX_SUFFIX, QUERY_OBJECTS, index_of, write_index
@@ -500,6 +501,7 @@ def _source_task(
         check_code(t.code, t.adapter)
 
         root, stage = t.root_store, t.stage
+        rerun = _a_rerun(TaskContext.get())
         stored: list[pa.Table] = []
         quarantined: list[pa.Table] = []  # staged once per task: a file per source file was 2 PUTs each on a store
         first = None
@@ -579,8 +581,9 @@ def _source_task(
             written = write_index(index, root, f"{stage}/eventstore", name, t.bucket_s)
             index_files = [f"bucket={b}/{name}{INDEX_SUFFIX}" for b in written]
             indexed = index.num_rows
-        if quarantined:  # named as the marker: unique in the batch, and the same again for a retried task
-            quarantined_rows = stage_rows(root, QUARANTINE, stage, marker_name, pa.concat_tables(quarantined), t.batch)
+        if (quarantined or rerun) and marker_name:  # named as the marker: unique in the batch, the same in a retry
+            rows = pa.concat_tables(quarantined) if quarantined else pa.table({})
+            quarantined_rows = stage_rows(root, QUARANTINE, stage, marker_name, rows, t.batch, replace=rerun)
         if read or skipped:
             _write_read_marker(root, stage, marker_name, skipped, read, indexed, quarantined_rows, index_files)
 
@@ -610,11 +613,12 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
         rows = pa.Table.from_batches(list(batches), SHUFFLED)
+        rerun = _a_rerun(ctx)
         query = pc.is_valid(rows.column("line"))
         shipped = rows.filter(query).select(["click_id", "query_id", "line", "order"])
         rows = rows.filter(pc.invert(query)).drop_columns(["line", "order"])
         try:
-            counts, latencies = join_partition(t, rows, part, shipped)
+            counts, latencies = join_partition(t, rows, part, shipped, rerun)
         finally:
             if t.code:
                 # On a Spark Connect server every client session gets Python workers of its own, which outlive it
@@ -628,13 +632,19 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
     return run
 
 
+def _a_rerun(ctx: Any) -> bool:
+    """Whether this task may have run before in this batch: a retried task, or one of a stage Spark runs again (its
+    attempt numbers start over then). Its records replace an earlier try's, even when it has no rows of a kind."""
+    return ctx is not None and (ctx.attemptNumber() > 0 or ctx.stageAttemptNumber() > 0)
+
+
 def join_partition(
-    t: _Task, rows: pa.Table, part: int, shipped: pa.Table | None = None
+    t: _Task, rows: pa.Table, part: int, shipped: pa.Table | None = None, rerun: bool = False
 ) -> tuple[dict[str, int], np.ndarray]:
     """Dedupe, registry pre-filter, EventStore lookup, adapter, registration, staged output for one partition of
     candidates (``CANDIDATE``, and ``wanted`` if the batch had a ``Wanted``); ``shipped``: the batch's own queries
     shipped to the partition (``SHUFFLED``'s click_id, query_id, line, order). Returns the partition's counts and
-    the joined clicks' latencies."""
+    the joined clicks' latencies. ``rerun``: the task may have run before (``_a_rerun``)."""
     from photon.joiner.eventstore import cache_for
     from photon.registry.client import Outcome
     from photon.registry.owners import Token
@@ -789,6 +799,10 @@ def join_partition(
         table = pa.concat_tables(unjoinable)
         counts["unjoinable"] = table.num_rows
         stage_rows(root, UNJOINABLE, stage, name, table, t.batch)
+    # A rerun's kinds without rows: an earlier try's records of them (clicks it joined, given up now) replaced
+    for kind in (JOINED, UNJOINABLE) if rerun else ():
+        if not counts[kind]:
+            stage_rows(root, kind, stage, name, pa.table({}), t.batch, replace=True)
     retries = pa.concat_tables(retry)
     counts["retried"] = retries.num_rows
     if retries.num_rows:

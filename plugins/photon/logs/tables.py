@@ -82,7 +82,9 @@ class OutputTableError(ValueError):
 # -- Writing: the tasks, before the registry commit ------------------------------------------------------------
 
 
-def stage_rows(root: Path | Store, kind: str, stage: str, name: str, rows: pa.Table, batch: int) -> int:
+def stage_rows(
+    root: Path | Store, kind: str, stage: str, name: str, rows: pa.Table, batch: int, *, replace: bool = False
+) -> int:
     """Write ``rows`` (``ROW_SCHEMAS[kind]``) of batch ``batch`` as data files of the pipeline's ``kind`` table in
     ``root`` (``<out>/<pipeline>``, a folder or a store), one file per hour, named ``<name>-<hour>-<call>.parquet``;
     record each file's add action in ``<stage>/_adds/<kind>-<name>.json`` (``stage``: a key under ``root``). Invisible
@@ -90,13 +92,20 @@ def stage_rows(root: Path | Store, kind: str, stage: str, name: str, rows: pa.Ta
 
     Each call writes data files of its own (``<call>``, random) and then the one record of ``name``, whole: of two
     attempts of a task running at once (Spark's speculative or orphaned ones), whose bytes may differ, the record
-    that lands last names files its own call wrote whole. The other's files stay unnamed, for the vacuum."""
-    return _rows_of(_stage(as_store(root), kind, stage, name, rows, batch))
+    that lands last names files its own call wrote whole. The other's files stay unnamed, for the vacuum.
+
+    No rows: nothing is written, unless ``replace`` (a task's retry) says to put a record of no files, in place of
+    one an earlier try of the task put: a retry may decide otherwise (its clicks joined before, given up now)."""
+    return _rows_of(_stage(as_store(root), kind, stage, name, rows, batch, replace))
 
 
-def _stage(store: Store, kind: str, stage: str, name: str, rows: pa.Table, batch: int) -> list[dict[str, Any]]:
+def _stage(
+    store: Store, kind: str, stage: str, name: str, rows: pa.Table, batch: int, replace: bool = False
+) -> list[dict[str, Any]]:
     """``stage_rows``: the add actions recorded."""
     if rows.num_rows == 0:
+        if replace:
+            store.put(adds_key(stage, kind, name), json.dumps({"kind": kind, "files": []}).encode())
         return []
     rows = rows.select(ROW_SCHEMAS[kind].names).cast(ROW_SCHEMAS[kind])
     rows = rows.append_column(BATCH, pa.array([batch] * rows.num_rows, pa.int64()))
