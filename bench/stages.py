@@ -227,9 +227,6 @@ class _Context:
     def attemptNumber(self) -> int:
         return 0
 
-    def stageAttemptNumber(self) -> int:
-        return 0
-
     def getter(self) -> Callable[[], Any]:
         return lambda: self
 

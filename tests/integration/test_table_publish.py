@@ -250,3 +250,27 @@ def test_two_attempts_of_a_task_at_once_leave_every_published_file_whole(tmp_pat
     got = DeltaTable(str(root / "unjoinable")).to_pyarrow_table()
     assert sorted(got["click_id"].to_pylist()) == sorted(f"c{i}" for i in range(40))
     assert set(got["reason"].to_pylist()) == {"too_late"}
+
+
+def test_a_stage_holding_more_rows_than_its_batch_committed_is_never_published(tmp_path: Path) -> None:
+    """Found by review: of two tries of a task at once, the record landing last may be the try Spark did not accept,
+    with other rows than the counts the batch committed (an orphan try registering after the verifier cleared the
+    batch's token, an adapter failing in one try only). Fewer was refused; more was published: rows the batch never
+    counted, a click possibly decided twice. The publish refuses in one line, the table unchanged."""
+    from photon.joiner.publish import publish_files, stage_key
+    from photon.logs.tables import StageExcessError
+
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    ts = 1_764_300_000 * US
+    rows = pa.table(
+        {
+            "click_id": [f"c{i}" for i in range(45)], "query_id": ["q"] * 45, "ad_id": ["a"] * 45,
+            "click_ts_us": [ts] * 45, "decided_at_us": [ts] * 45, "pipeline": ["dc-a"] * 45, "reason": ["r"] * 45,
+        },
+        schema=UNJOINABLE_SCHEMA,
+    )  # fmt: skip
+    stage_rows(root, "unjoinable", stage_key(1, 1), "t0", rows, 1)  # the try not accepted; the accepted one had 40
+    with pytest.raises(StageExcessError, match="lists 45 unjoinable rows, more than the 40 its tasks reported"):
+        publish_files(root, "dc-a", 1, 1, expect={"joined": 0, "unjoinable": 40, "quarantine": 0})
+    assert DeltaTable(str(root / "unjoinable")).version() == 0

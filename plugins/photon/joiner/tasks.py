@@ -633,9 +633,10 @@ def _join_task(t: _Task) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.Rec
 
 
 def _a_rerun(ctx: Any) -> bool:
-    """Whether this task may have run before in this batch: a retried task, or one of a stage Spark runs again (its
-    attempt numbers start over then). Its records replace an earlier try's, even when it has no rows of a kind."""
-    return ctx is not None and (ctx.attemptNumber() > 0 or ctx.stageAttemptNumber() > 0)
+    """Whether this task ran before in this batch (Spark's retry of a failed try): its records replace the earlier
+    try's, even for a kind it has no rows of. (A stage Spark submits again starts its tasks' attempt numbers over,
+    and PySpark does not say the stage's attempt: such a rerun is not known here.)"""
+    return ctx is not None and ctx.attemptNumber() > 0
 
 
 def join_partition(

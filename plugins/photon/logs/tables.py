@@ -333,6 +333,10 @@ class StageShortError(StorageError):
     """A batch's stage lists fewer rows of a kind than its tasks reported staging: never published so."""
 
 
+class StageExcessError(StorageError):
+    """A batch's stage lists more rows of a kind than its tasks reported staging: never published so."""
+
+
 def _staged(
     store: Store, stage: str, expect: Mapping[str, int], done: Callable[[], bool] = lambda: False
 ) -> dict[str, list[dict[str, Any]]]:
@@ -381,8 +385,8 @@ def publish_batch(
     publishers of the same batch. Per kind: "committed", "already" (the table holds the batch or a later one) or
     "none" (nothing staged). ``committed(kind)`` is called after each commit (the tests' crash points). ``expect``:
     the rows per kind the caller knows were staged (its tasks' counts): fewer listed is ``StageShortError``, never a
-    publish of less. ``staged``: the add actions per kind, from a caller that staged them itself (the stage is then
-    not listed)."""
+    publish of less, and more ``StageExcessError``, never a publish of rows the batch's counts do not know.
+    ``staged``: the add actions per kind, from a caller that staged them itself (the stage is then not listed)."""
     from deltalake import CommitProperties, Transaction
     from deltalake.exceptions import CommitFailedError
     from deltalake.transaction import AddAction, RemoveAction
@@ -413,6 +417,15 @@ def publish_batch(
         if not files:
             done[kind] = "none"
             continue
+        if expect is not None and kind in expect and _rows_of(files) > expect[kind]:
+            # Records the batch's counts do not know: a try of a task other than the one Spark accepted, landing last
+            if _holds(store, kind, table, pipeline, batch):
+                done[kind] = "already"
+                continue
+            raise StageExcessError(
+                f"{store.location(stage)}: the stage lists {_rows_of(files)} {kind} rows, more than the"
+                f" {expect[kind]} its tasks reported (two tries of a task, each staging its own): not published"
+            )
         now_ms = int(time.time() * 1000)
         actions: list[AddAction | RemoveAction] = [
             AddAction(a["path"], a["size"], {PARTITION: a["hour"]}, now_ms, True, a["stats"]) for a in files
