@@ -212,7 +212,8 @@ def test_a_retried_task_that_decides_its_clicks_otherwise_leaves_no_record_of_th
     """Found by review: a task's first try staged its clicks joined and died; Spark ran it again, and the retry gave
     them up (their queries' log lines gone, an adapter failing now): 0 joined rows, so no joined record written, and
     the first try's record, under the same key, was published beside the retry's unjoinable rows: each click decided
-    twice. A retry writes a record of no files for each kind it has no rows of."""
+    twice. A retry writes a record of no files for each kind it has no rows of, and an empty retry file (the first
+    try's clicks left waiting would be looked up again by the next batch)."""
     import pyarrow as pa
 
     from photon.joiner.publish import publish_files
@@ -238,8 +239,12 @@ def test_a_retried_task_that_decides_its_clicks_otherwise_leaves_no_record_of_th
         },
         CANDIDATE,
     )  # fmt: skip
+    waiting = tmp_path / "state" / "retries" / task.tag / f"{task.tag}-p0000.parquet"  # the first try's, too
+    waiting.parent.mkdir(parents=True)
+    pq.write_table(rows.slice(0, 1), waiting)
     counts, _ = join_partition(task, rows, 0, rerun=True)  # past their deadline, no query: given up
-    assert (counts["joined"], counts["unjoinable"]) == (0, 3)
+    assert (counts["joined"], counts["unjoinable"], counts["retried"]) == (0, 3, 0)
+    assert pq.read_table(waiting).num_rows == 0  # none waits: the next batch does not look the click up again
     publish_files(root, "dc-a", 1, 1, expect={"joined": 0, "unjoinable": 3})
     assert output.ids(tmp_path / "out", "joined") == []
     assert sorted(output.ids(tmp_path / "out", "unjoinable")) == sorted(clicks)

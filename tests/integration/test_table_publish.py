@@ -256,8 +256,10 @@ def test_a_stage_holding_more_rows_than_its_batch_committed_is_never_published(t
     """Found by review: of two tries of a task at once, the record landing last may be the try Spark did not accept,
     with other rows than the counts the batch committed (an orphan try registering after the verifier cleared the
     batch's token, an adapter failing in one try only). Fewer was refused; more was published: rows the batch never
-    counted, a click possibly decided twice. The publish refuses in one line, the table unchanged."""
+    counted, a click possibly decided twice. The publish refuses in one line before any commit: neither table holds
+    the batch (its joined rows, as counted, were committed before the refusal, the batch half published)."""
     from photon.joiner.publish import publish_files, stage_key
+    from photon.logs.schemas import JOINED_SCHEMA
     from photon.logs.tables import StageExcessError
 
     root = tmp_path / "out" / "dc-a"
@@ -271,6 +273,38 @@ def test_a_stage_holding_more_rows_than_its_batch_committed_is_never_published(t
         schema=UNJOINABLE_SCHEMA,
     )  # fmt: skip
     stage_rows(root, "unjoinable", stage_key(1, 1), "t0", rows, 1)  # the try not accepted; the accepted one had 40
+    joined = {f.name: [f"{f.name}-{i}" for i in range(2)] for f in JOINED_SCHEMA}
+    joined |= {n: [ts] * 2 for n in ("click_ts_us", "query_ts_us", "joined_at_us", "bid_micros")}
+    stage_rows(root, "joined", stage_key(1, 1), "t1", pa.table(joined | {"pipeline": ["dc-a"] * 2}), 1)
     with pytest.raises(StageExcessError, match="lists 45 unjoinable rows, more than the 40 its tasks reported"):
-        publish_files(root, "dc-a", 1, 1, expect={"joined": 0, "unjoinable": 40, "quarantine": 0})
-    assert DeltaTable(str(root / "unjoinable")).version() == 0
+        publish_files(root, "dc-a", 1, 1, expect={"joined": 2, "unjoinable": 40, "quarantine": 0})
+    assert [DeltaTable(str(root / k)).version() for k in ("joined", "unjoinable", "quarantine")] == [0, 0, 0]
+
+
+def test_a_lease_start_checks_the_kinds_its_batch_committed_none_of(tmp_path: Path, servers: dict[str, str]) -> None:
+    """Found by review: a lease start and the verifier read a batch's committed counts without its zeros, so a kind
+    the batch committed none of went unchecked: the lease's own publish refused a stage holding 3 joined rows of a
+    batch that committed 0 (a first try's record beside the rerun that gave those clicks up), and the next lease start
+    published them, 3 clicks joined and unjoinable at once. The counts keep their zeros, and the publish refuses."""
+    from photon.joiner.publish import publish_files, stage_key
+    from photon.joiner.state import PipelineState
+    from photon.logs.schemas import JOINED_SCHEMA
+    from photon.logs.tables import StageExcessError
+
+    state = PipelineState(servers["main"], "dc-a")
+    lease = state.start_lease()
+    metrics: dict[str, float] = {"started_at_us": 1, "duration_s": 0.1, "query_files": 0, "click_files": 1}
+    metrics |= dict.fromkeys(("queries", "retries_in", "prefiltered", "won_again", "wasted", "retried"), 0)
+    metrics |= dict.fromkeys(("cache_hits", "cache_lookups", "registry_txns", "registry_rows", "registry_retries"), 0)
+    metrics |= {"clicks": 3, "joined": 0, "unjoinable": 3, "quarantined": 0}
+    assert state.commit(lease, 1, [("clicks", "x.jsonl")], metrics)
+    rows = next(b for b in state.open_batches() if b.batch == 1).rows
+    assert rows == {"joined": 0, "unjoinable": 3, "quarantine": 0}
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    joined = {f.name: [f"{f.name}-{i}" for i in range(3)] for f in JOINED_SCHEMA}
+    joined |= {n: [1] * 3 for n in ("click_ts_us", "query_ts_us", "joined_at_us", "bid_micros")}
+    stage_rows(root, "joined", stage_key(1, lease.epoch), "t0", pa.table(joined | {"pipeline": ["dc-a"] * 3}), 1)
+    with pytest.raises(StageExcessError, match="lists 3 joined rows, more than the 0 its tasks reported"):
+        publish_files(root, "dc-a", 1, lease.epoch, expect=rows)
+    assert DeltaTable(str(root / "joined")).version() == 0

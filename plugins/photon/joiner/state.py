@@ -234,7 +234,8 @@ class PipelineState:
             )
             return [
                 OpenBatch(
-                    int(b), int(e), bool(p), {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n},
+                    int(b), int(e), bool(p),
+                    {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n is not None},  # zeros too
                     None if q is None else int(q), None if r is None else int(r),
                 )
                 for b, e, p, q, r, *rows in cur.fetchall()

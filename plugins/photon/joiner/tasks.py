@@ -806,7 +806,7 @@ def join_partition(
             stage_rows(root, kind, stage, name, pa.table({}), t.batch, replace=True)
     retries = pa.concat_tables(retry)
     counts["retried"] = retries.num_rows
-    if retries.num_rows:
+    if retries.num_rows or rerun:  # a rerun's none in place of the clicks its first try left waiting
         t.state_store.put(f"retries/{t.tag}/{name}.parquet", parquet_bytes(retries.cast(CANDIDATE)))
     return counts, latencies
 

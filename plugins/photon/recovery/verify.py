@@ -154,7 +154,8 @@ def _read_state(cur: Any) -> _State:
     batches = {
         (str(p), int(s)): _Batch(
             int(o), int(e), bool(pub), None if rows[0] is None else int(rows[0]),
-            {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n}, None if q is None else int(q),
+            {k: int(n) for k, n in zip(OUTPUT_KINDS, rows, strict=True) if n is not None},  # zeros too
+            None if q is None else int(q),
         )
         for p, s, o, e, pub, q, *rows in cur.fetchall()
     }  # fmt: skip
@@ -403,6 +404,12 @@ def _check_staged(folder: Store, name: str, batch: int, b: _Batch) -> None:
         found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED, at_least=b.joined or 0)
         if found != b.joined:  # a lease start may have published it meanwhile, and removed its stage
             found = in_table() or found
+    if b.joined is not None and found > b.joined:
+        raise EvidenceMissingError(
+            f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
+            f"{folder.url} stages {found}, more (a task's try other than the one Spark accepted left its records): "
+            "not rolled forward; nothing was changed"
+        )
     if b.joined is None or found != b.joined:
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
