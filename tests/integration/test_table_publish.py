@@ -308,3 +308,22 @@ def test_a_lease_start_checks_the_kinds_its_batch_committed_none_of(tmp_path: Pa
     with pytest.raises(StageExcessError, match="lists 3 joined rows, more than the 0 its tasks reported"):
         publish_files(root, "dc-a", 1, lease.epoch, expect=rows)
     assert DeltaTable(str(root / "joined")).version() == 0
+
+
+def test_the_verifier_never_rolls_forward_a_batch_staging_more_joined_rows_than_it_committed(tmp_path: Path) -> None:
+    """The verifier's roll-forward checks a dead pipeline's committed, unpublished batch against its stage: more joined
+    rows than the batch committed (a record of a try Spark did not accept) is refused, and said so, not taken for
+    missing output; the table unchanged."""
+    from photon.joiner.publish import stage_key
+    from photon.logs.schemas import JOINED_SCHEMA
+    from photon.recovery.verify import EvidenceMissingError, _Batch, _check_staged
+    from photon.storage import LocalStore
+
+    root = tmp_path / "out" / "dc-a"
+    ensure_tables(root)
+    joined = {f.name: [f"{f.name}-{i}" for i in range(3)] for f in JOINED_SCHEMA}
+    joined |= {n: [1] * 3 for n in ("click_ts_us", "query_ts_us", "joined_at_us", "bid_micros")}
+    stage_rows(root, "joined", stage_key(1, 1), "t0", pa.table(joined | {"pipeline": ["dc-a"] * 3}), 1)
+    with pytest.raises(EvidenceMissingError, match=r"committed 2 joined rows .* stages 3, more .*: not rolled forward"):
+        _check_staged(LocalStore(root), "dc-a", 1, _Batch(1, 1, False, 2, {"joined": 2}))
+    assert DeltaTable(str(root / "joined")).version() == 0

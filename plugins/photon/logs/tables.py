@@ -419,6 +419,7 @@ def publish_batch(
         if not files:
             done[kind] = "none"
             continue
+        # Checked before the loop; again here, as a relisting above may have found more
         if (
             expect is not None
             and kind in expect

@@ -404,16 +404,16 @@ def _check_staged(folder: Store, name: str, batch: int, b: _Batch) -> None:
         found = tables.staged_rows(folder, stage_key(batch, b.epoch), JOINED, at_least=b.joined or 0)
         if found != b.joined:  # a lease start may have published it meanwhile, and removed its stage
             found = in_table() or found
-    if b.joined is not None and found > b.joined:
-        raise EvidenceMissingError(
-            f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
-            f"{folder.url} stages {found}, more (a task's try other than the one Spark accepted left its records): "
-            "not rolled forward; nothing was changed"
-        )
     if b.joined is None or found != b.joined:
+        why = (
+            f"stages {found}, more (a task's try other than the one Spark accepted left its records): not rolled "
+            "forward"
+            if b.joined is not None and found > b.joined
+            else f"holds {found} of them (staged or published): its output is missing"
+        )
         raise EvidenceMissingError(
             f"batch {batch} of pipeline {name!r} committed {b.joined} joined rows but never published them, and "
-            f"{folder.url} holds {found} of them (staged or published): its output is missing; nothing was changed"
+            f"{folder.url} {why}; nothing was changed"
         )
 
 
